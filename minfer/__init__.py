@@ -1,0 +1,25 @@
+"""minfer: a readable, tested LLM inference engine that is also a course.
+
+The public surface is vLLM's offline API: `LLM`, `SamplingParams`, `RequestOutput`.
+"""
+
+from minfer.outputs import CompletionOutput, RequestOutput
+from minfer.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # LLM pulls in torch models and transformers: import it lazily so `import minfer` stays fast.
+    if name == "LLM":
+        from minfer.llm import LLM
+
+        return LLM
+    if name == "LLMEngine":
+        from minfer.engine import LLMEngine
+
+        return LLMEngine
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]

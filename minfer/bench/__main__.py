@@ -1,0 +1,25 @@
+"""`python -m minfer.bench {decode,engine,serve} ...`: pick a benchmark.
+
+- decode: batch-1 decode tokens/s, minfer vs transformers `generate()`, and the memory-bandwidth ceiling.
+- engine: offline engine throughput, prefix-cache TTFT and chunked-prefill ITL (the serving engine).
+- serve: a `vllm bench serve`-style client against any OpenAI-compatible server.
+"""
+
+import importlib
+import sys
+
+_COMMANDS = {"decode": "minfer.bench.decode", "engine": "minfer.bench.engine", "serve": "minfer.bench.serve"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in _COMMANDS:
+        print(__doc__.strip())
+        print(f"\nusage: python -m minfer.bench {{{','.join(_COMMANDS)}}} [--help]")
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    module = importlib.import_module(_COMMANDS[argv[0]])
+    return module.main(argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""Who owns which KV block (article §3 paged KV, §8 swap, §11 prefix caching).
+
+The KV pool is cut into fixed-size blocks of `block_size` token slots. A sequence owns a `block_table`:
+the ids of its blocks in order, so token t of the sequence lives in slot
+`block_table[t // block_size] * block_size + t % block_size` (the `slot_mapping`).
+
+Prefix caching: a FULL block is named by a hash chain, hash(parent block's hash, this block's token ids),
+so equal names mean equal prefixes, not only equal blocks. A new sequence walks its prompt's chain and
+reuses every block already cached; reference counts say how many sequences share a block. A block whose
+count drops to zero is not wiped: it joins the free list with its hash intact and can still be hit, until
+allocation needs it (least recently freed first) and it is evicted.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from minfer.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple = ()  # the tokens a hashed block holds, to rule out hash collisions
+
+
+def block_hash(parent: int | None, token_ids: tuple) -> int:
+    """The name of a full block: its tokens chained to everything before it."""
+    return hash((parent, token_ids))
+
+
+class NoFreeBlocksError(RuntimeError):
+    """The pool has no block to give (the scheduler preempts before this can happen)."""
+
+
+class BlockManager:
+    """Allocates, shares and frees the blocks of the KV pool; tracks prefix-cache hits and swap space.
+
+    Args:
+        num_blocks: blocks in the device pool. block_size: token slots per block.
+        num_cpu_blocks: blocks of CPU swap space (0 = no swapping).
+        enable_prefix_caching: name full blocks and reuse them across sequences.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0, enable_prefix_caching: bool = False):
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks in the order they were freed: the first is the least recently used.
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.enable_prefix_caching = enable_prefix_caching
+        self.cpu_free = list(range(num_cpu_blocks))
+        self.num_cpu_blocks = num_cpu_blocks
+        self.swapped_tables: dict[int, list[int]] = {}  # seq_id -> its CPU blocks
+        # statistics
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # of which found cached
+        self.num_evicted_blocks = 0
+
+    # -- counting -------------------------------------------------------------------------------------
+    @property
+    def num_total_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- low level ------------------------------------------------------------------------------------
+    def _take_free(self) -> int:
+        if not self.free:
+            raise NoFreeBlocksError("KV pool exhausted")
+        bid, _ = self.free.popitem(last=False)
+        blk = self.blocks[bid]
+        if blk.hash is not None:  # evict: its cached prefix is gone from now on
+            if self.cached.get(blk.hash) == bid:
+                del self.cached[blk.hash]
+            blk.hash, blk.token_ids = None, ()
+            self.num_evicted_blocks += 1
+        blk.ref_count = 1
+        return bid
+
+    def _release(self, bid: int) -> None:
+        blk = self.blocks[bid]
+        blk.ref_count -= 1
+        assert blk.ref_count >= 0, f"block {bid} freed twice"
+        if blk.ref_count == 0:
+            if blk.hash is None:
+                self.free[bid] = None
+                self.free.move_to_end(bid, last=False)  # unnamed blocks are reused first
+            else:
+                self.free[bid] = None  # named blocks wait at the end, still hittable
+
+    # -- prefix cache ---------------------------------------------------------------------------------
+    def _prompt_hashes(self, seq: Sequence) -> list[tuple[int, tuple]]:
+        """(hash, tokens) of each full block of the sequence's tokens so far."""
+        out, parent, bs = [], None, self.block_size
+        toks = seq.all_token_ids
+        for i in range(len(toks) // bs):
+            chunk = tuple(toks[i * bs:(i + 1) * bs])
+            parent = block_hash(parent, chunk)
+            out.append((parent, chunk))
+        return out
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids of the longest cached chain that prefixes `seq` (never the whole sequence: the last
+        token must still be computed to have logits to sample from)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits = []
+        for h, toks in self._prompt_hashes(seq):
+            bid = self.cached.get(h)
+            if bid is None or self.blocks[bid].token_ids != toks:
+                break
+            hits.append(bid)
+        if hits and len(hits) * self.block_size >= len(seq):
+            hits.pop()
+        return hits
+
+    def register_computed_blocks(self, seq: Sequence) -> None:
+        """Name the sequence's full blocks whose K/V are all computed, so later requests can hit them."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        n_full = seq.num_computed_tokens // bs
+        hashes = seq.block_hashes
+        if len(hashes) >= n_full:
+            return
+        toks = seq.all_token_ids
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), n_full):
+            chunk = tuple(toks[i * bs:(i + 1) * bs])
+            parent = block_hash(parent, chunk)
+            hashes.append(parent)
+            blk = self.blocks[seq.block_table[i]]
+            if blk.hash is None and parent not in self.cached:
+                blk.hash, blk.token_ids = parent, chunk
+                self.cached[parent] = blk.block_id
+
+    # -- sequences ------------------------------------------------------------------------------------
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Could `seq` (waiting) get blocks for its cached prefix plus `num_new_tokens` more?"""
+        hits = self._cached_prefix(seq)
+        hit_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        need = self.blocks_needed(len(hits) * self.block_size + num_new_tokens) - len(hits)
+        return need <= self.num_free_blocks - hit_free
+
+    def allocate_prefix(self, seq: Sequence) -> int:
+        """Attach the cached prefix blocks to a waiting sequence; returns the number of cached tokens."""
+        hits = self._cached_prefix(seq)
+        if self.enable_prefix_caching:
+            self.prefix_queries += len(seq)
+            self.prefix_hits += len(hits) * self.block_size
+        for bid in hits:
+            blk = self.blocks[bid]
+            if blk.ref_count == 0:
+                del self.free[bid]
+            blk.ref_count += 1
+        seq.block_table = list(hits)
+        seq.block_hashes = [self.blocks[b].hash for b in hits]
+        return len(hits) * self.block_size
+
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        return need <= self.num_free_blocks
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Grow the block table to hold `num_new_tokens` more tokens after the computed ones."""
+        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        for _ in range(need):
+            seq.block_table.append(self._take_free())
+
+    def free_seq(self, seq: Sequence) -> None:
+        """Drop the sequence's claim on its blocks (named blocks stay cached until evicted)."""
+        for bid in reversed(seq.block_table):  # tail first, so the prefix is evicted last
+            self._release(bid)
+        seq.block_table = []
+        seq.block_hashes = []
+        self.free_swapped(seq)
+
+    # -- swapping (article §8-1) ----------------------------------------------------------------------
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return len(seq.block_table) <= len(self.cpu_free)
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Move the sequence's blocks to CPU swap space; returns (device block, cpu block) copies to do."""
+        cpu = [self.cpu_free.pop() for _ in seq.block_table]
+        mapping = list(zip(seq.block_table, cpu))
+        self.swapped_tables[seq.seq_id] = cpu
+        for bid in seq.block_table:
+            self._release(bid)
+        seq.block_table, seq.block_hashes = [], []
+        return mapping
+
+    def can_swap_in(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
+        n = len(self.swapped_tables[seq.seq_id])
+        extra = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - n
+        return n + max(extra, 0) <= self.num_free_blocks
+
+    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Bring a swapped sequence back into fresh device blocks; returns (cpu block, device block) copies."""
+        cpu = self.swapped_tables.pop(seq.seq_id)
+        seq.block_table = [self._take_free() for _ in cpu]
+        seq.block_hashes = []
+        self.cpu_free.extend(cpu)
+        return list(zip(cpu, seq.block_table))
+
+    def free_swapped(self, seq: Sequence) -> None:
+        cpu = self.swapped_tables.pop(seq.seq_id, None)
+        if cpu:
+            self.cpu_free.extend(cpu)
+
+    # -- observability --------------------------------------------------------------------------------
+    def usage(self) -> float:
+        """Fraction of blocks held by sequences (cached-but-free blocks count as free)."""
+        return 1 - self.num_free_blocks / max(self.num_total_blocks, 1)

@@ -1,0 +1,98 @@
+"""The KV pool (article §3, §8): one allocation of fixed-size blocks per layer, plus CPU swap space.
+
+Per layer the pool is a tensor `[2, num_blocks, block_size, num_kv_heads, head_dim]` (K and V), allocated
+once at start-up; the block manager hands out block ids and the attention backend reads and writes slots.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minfer.config import ModelConfig
+from minfer.memory import human_bytes
+
+CPU_DEFAULT_KV_BYTES = 1 << 30  # on a CPU, 1 GiB of KV unless kv_cache_memory_bytes says otherwise
+
+
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers: layers x 2 x block_size x kv_heads x head_dim x elem."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return cfg.num_hidden_layers * 2 * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+
+
+def own_memory_in_use(device: torch.device) -> int:
+    """Bytes this process has allocated on a CUDA device (its own, not other processes')."""
+    return torch.cuda.memory_reserved(device)
+
+
+def determine_num_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,
+                         kv_cache_memory_bytes: int | None, gpu_memory_utilization: float,
+                         max_model_len: int) -> int:
+    """How many blocks the pool gets.
+
+    - `kv_cache_memory_bytes` given: that many bytes, on any device.
+    - CUDA: `gpu_memory_utilization x total - what this process already holds` (weights plus the peak of a
+      profiling forward, measured by the caller before this is called). Other processes' memory is not
+      subtracted, so it can never drive the count to zero on its own.
+    - CPU: 1 GiB.
+
+    Raises:
+        ValueError: the pool cannot hold one sequence of `max_model_len` tokens (states the numbers and the
+            option to change).
+    """
+    per_block = bytes_per_block(cfg, block_size, dtype)
+    if kv_cache_memory_bytes is not None:
+        budget, knob = int(kv_cache_memory_bytes), "kv_cache_memory_bytes"
+    elif device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        budget = int(total * gpu_memory_utilization) - max(own_memory_in_use(device),
+                                                           torch.cuda.max_memory_allocated(device))
+        knob = "gpu_memory_utilization"
+    else:
+        budget, knob = CPU_DEFAULT_KV_BYTES, "kv_cache_memory_bytes"
+    num_blocks = max(budget, 0) // per_block
+    need = -(-max_model_len // block_size)
+    if num_blocks < need:
+        raise ValueError(
+            f"the KV pool has room for {num_blocks} blocks ({human_bytes(max(budget, 0))}, "
+            f"{human_bytes(per_block)} per block of {block_size} tokens), but one sequence of max_model_len="
+            f"{max_model_len} tokens needs {need} blocks ({human_bytes(need * per_block)}). "
+            f"Raise {knob} or lower max_model_len.")
+    return int(num_blocks)
+
+
+class KVCachePool:
+    """The device KV tensors and the CPU swap tensors, with block copies between them."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device, num_cpu_blocks: int = 0):
+        shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        # torch.empty: pages are touched only when written, so a large CPU pool costs nothing up front.
+        self.layers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        cpu_shape = (2, num_cpu_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        pin = device.type == "cuda"
+        self.cpu_layers = ([torch.empty(cpu_shape, dtype=dtype, pin_memory=pin) for _ in range(cfg.num_hidden_layers)]
+                           if num_cpu_blocks else [])
+        self.num_blocks, self.block_size, self.num_cpu_blocks = num_blocks, block_size, num_cpu_blocks
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.layers)
+
+    def swap_out(self, mapping: list[tuple[int, int]]) -> None:
+        """Copy device blocks to CPU blocks: mapping of (device block, cpu block)."""
+        if not mapping:
+            return
+        src = torch.tensor([m[0] for m in mapping], device=self.layers[0].device)
+        dst = torch.tensor([m[1] for m in mapping])
+        for dev, cpu in zip(self.layers, self.cpu_layers):
+            cpu[:, dst] = dev[:, src].to("cpu")
+
+    def swap_in(self, mapping: list[tuple[int, int]]) -> None:
+        """Copy CPU blocks back to device blocks: mapping of (cpu block, device block)."""
+        if not mapping:
+            return
+        src = torch.tensor([m[0] for m in mapping])
+        dst = torch.tensor([m[1] for m in mapping], device=self.layers[0].device)
+        for dev, cpu in zip(self.layers, self.cpu_layers):
+            dev[:, dst] = cpu[:, src].to(dev.device)

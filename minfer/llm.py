@@ -1,0 +1,120 @@
+"""`LLM`: vLLM's offline API over minfer's engine.
+
+    from minfer import LLM, SamplingParams
+    llm = LLM(model="smollm2-135m-instruct", max_model_len=2048, seed=0)
+    outs = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16))
+    print(outs[0].outputs[0].text)
+
+`generate` queues every prompt in the engine and steps it until all finish (continuous batching over the
+paged KV pool). `generate_simple` runs chapter 1's one-sequence prefill/decode path: the oracle that the
+engine is tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from tqdm.auto import tqdm
+
+from minfer.config import DEFAULT_MODEL, EngineArgs
+from minfer.engine import LLMEngine
+from minfer.generate import GenerationTimings, SimpleGenerator
+from minfer.outputs import RequestOutput
+from minfer.sampling import Sampler
+from minfer.sampling_params import SamplingParams
+from minfer.sequence import Sequence, validate_prompt
+
+
+class LLM:
+    """Load a model once; generate for batches of prompts.
+
+    Args:
+        model: alias, local directory, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct).
+        **kwargs: any `EngineArgs` field with vLLM's name: dtype, max_model_len, seed, block_size,
+            kv_cache_memory_bytes, gpu_memory_utilization, swap_space, max_num_seqs, max_num_batched_tokens,
+            enable_chunked_prefill, enable_prefix_caching, attention_backend, ...
+
+    Raises:
+        TypeError: an unknown keyword. ValueError / ModelNotFoundError: bad values or an unknown model.
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, **kwargs):
+        known = {f.name for f in fields(EngineArgs)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"LLM() got unknown argument(s) {unknown}; known: {sorted(known)}")
+        self.engine_args = EngineArgs(model=model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
+        self.tokenizer = self.llm_engine.tokenizer
+        self._simple = None
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def stats(self):
+        """`EngineStats` of the underlying engine (queues, KV usage, prefix-cache hits, preemptions)."""
+        return self.llm_engine.stats()
+
+    # -- the engine path ------------------------------------------------------------------------------
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for one prompt or a list (strings or token-id lists). Returns outputs in prompt order.
+
+        Raises:
+            ValueError: a bad prompt (too long, empty, ...) — raised before anything is queued.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        engine = self.llm_engine
+        ids = []
+        try:
+            for p, sp in zip(prompts, params):
+                ids.append(engine.add_request(None, p, sp))
+        except ValueError:
+            engine.abort_request(ids)  # all or nothing: a bad prompt leaves no half-queued batch
+            raise
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [results[i] for i in ids]
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (list of {"role", "content"}) or a list of them.
+
+        Raises:
+            ValueError: empty or malformed messages.
+        """
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not convs:
+            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
+        prompts = [self.tokenizer.encode_chat(c) for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    # -- the simple path (chapter 1) --------------------------------------------------------------------
+    def generate_simple(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                        on_token=None) -> tuple[RequestOutput, GenerationTimings]:
+        """One request through the simple prefill/decode path with a contiguous KV cache.
+
+        Returns the RequestOutput and its prefill/decode timings. `on_token(seq)` streams.
+        """
+        engine = self.llm_engine
+        params = (sampling_params or SamplingParams()).clone(_eos_token_ids=tuple(self.tokenizer.eos_token_ids))
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        validate_prompt(ids, params, engine.max_model_len, engine.hf_config.vocab_size)
+        if self._simple is None:
+            self._simple = SimpleGenerator(engine.model, Sampler(engine.generator))
+        outs, timings = [], GenerationTimings()
+        for i in range(params.n):
+            seq = Sequence("simple", i, ids, params, self.tokenizer, engine.max_model_len, engine.device)
+            t = self._simple.generate(seq, on_token)
+            outs.append(seq.to_output())
+            timings = t if i == 0 else timings
+        return RequestOutput("simple", prompt if isinstance(prompt, str) else None, ids, outs, finished=True), timings

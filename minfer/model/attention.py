@@ -1,0 +1,212 @@
+"""The attention seam: one `Attention` module, many places K/V can live.
+
+A forward pass carries a `ForwardContext` (nano-vllm's `Context`, vLLM's attention metadata): where each
+token's K/V goes (`slot_mapping`), where each sequence's earlier K/V already is (`block_tables`,
+`context_lens`), and the varlen boundaries of the batch (`cu_seqlens_q/k`). The model never looks inside:
+it hands q, k, v to `ctx.attn_backend`, which writes the new K/V and computes attention.
+
+Backends here:
+- `ContiguousKVCache`: the simple path of chapter 1, one sequence, one preallocated tensor per layer.
+- `PagedTorchBackend`: the paged pool of chapter 3, read through block tables with plain torch.
+The Triton backend (chapter 4) lives in `minfer.kernels.backend` and plugs into the same seam.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ForwardContext:
+    """Everything a forward pass needs to know about where tokens and their K/V are.
+
+    Token order in a batch: the tokens of prefill sequences (whole prompts or chunks) first, then one token
+    per decoding sequence. Sequence i's rows in `block_tables`/`context_lens` follow the same order.
+
+    Attributes:
+        attn_backend: the object that stores K/V and computes attention.
+        positions: int64 `[num_tokens]`, each token's position in its sequence.
+        num_prefills: prefill sequences in the batch; num_prefill_tokens: their tokens.
+        cu_seqlens_q: int32 `[num_prefills + 1]`, query-token offsets of the prefill sequences.
+        cu_seqlens_k: int32 `[num_prefills + 1]`, key offsets (keys = cached prefix + this chunk).
+        max_seqlen_q, max_seqlen_k: the largest of those lengths (kernels size their grids with them).
+        slot_mapping: int64 `[num_tokens]`, the cache slot (block * block_size + offset) of each new token.
+        block_tables: int32 `[num_seqs, max_blocks]`, each sequence's blocks (padded with 0).
+        context_lens: int32 `[num_seqs]`, keys each sequence attends to after this step.
+        logits_indices: int64 `[num_seqs]`, the token whose logits are sampled for each sequence.
+        start_pos: for the contiguous cache, where this forward's tokens start.
+    """
+
+    attn_backend: "AttentionBackend"
+    positions: torch.Tensor
+    num_prefills: int = 0
+    num_prefill_tokens: int = 0
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    slot_mapping: torch.Tensor | None = None
+    block_tables: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
+    logits_indices: torch.Tensor | None = None
+    start_pos: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class Attention(nn.Module):
+    """Scaled dot-product attention of one layer; the backend in the context does the work.
+
+    Holds what a backend needs to know about the layer: head counts, scale, sliding window, ALiBi slopes.
+    """
+
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None, alibi_slopes: torch.Tensor | None = None):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+        self.layer_idx, self.num_heads, self.num_kv_heads, self.head_dim = layer_idx, num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.alibi_slopes = alibi_slopes
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """q `[T, H, D]`, k/v `[T, KVH, D]` -> `[T, H, D]`."""
+        return ctx.attn_backend.forward(self, q, k, v, ctx)
+
+
+class AttentionBackend:
+    """Interface: store the new k/v of `layer` and return attention output `[T, H, D]`."""
+
+    def forward(self, layer: Attention, q, k, v, ctx: ForwardContext) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+
+def visibility_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Bool `[..., Tq, Tk]`: key j visible to query i iff k_pos <= q_pos (causal) and, with a sliding
+    window W, q_pos - k_pos < W (the newest W tokens, Mistral's / HF's convention)."""
+    diff = q_pos.unsqueeze(-1) - k_pos.unsqueeze(-2)
+    mask = diff >= 0
+    if window is not None:
+        mask &= diff < window
+    return mask
+
+
+def attend(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of one sequence whose queries are the LAST Tq of its Tk keys.
+
+    q `[Tq, H, D]`, k/v `[Tk, KVH, D]` -> `[Tq, H, D]`. GQA: each group of H/KVH query heads shares one K/V
+    head (torch's `enable_gqa`). This is the reference the kernels are checked against.
+    """
+    tq, tk = q.shape[0], k.shape[0]
+    qh, kh, vh = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    window = layer.sliding_window if layer.sliding_window and layer.sliding_window < tk else None
+    mask, causal = None, False
+    if layer.alibi_slopes is not None or window is not None or (tq > 1 and tq != tk):
+        q_pos = torch.arange(tk - tq, tk, device=q.device)
+        k_pos = torch.arange(tk, device=q.device)
+        mask = visibility_mask(q_pos, k_pos, window)
+        if layer.alibi_slopes is not None:
+            bias = -layer.alibi_slopes.view(-1, 1, 1).to(q.device) * (q_pos.view(-1, 1) - k_pos.view(1, -1)).abs()
+            mask = bias.masked_fill(~mask, float("-inf")).to(q.dtype).unsqueeze(0)
+    elif tq > 1:
+        causal = True
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, scale=layer.scale,
+                                         enable_gqa=layer.num_heads != layer.num_kv_heads)
+    return out[0].transpose(0, 1)
+
+
+class ContiguousKVCache(AttentionBackend):
+    """Chapter 1's KV cache: per layer one `[max_len, KVH, D]` tensor for a single sequence.
+
+    Prefill writes rows [0, T) and attends causally; each decode step writes row `start_pos` and attends
+    to rows [0, start_pos]. Allocated once, so decode does no per-token allocation.
+    """
+
+    def __init__(self, num_layers: int, max_len: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        shape = (num_layers, max_len, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+    def forward(self, layer: Attention, q, k, v, ctx: ForwardContext) -> torch.Tensor:
+        start, end = ctx.start_pos, ctx.start_pos + q.shape[0]
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} tokens; this forward needs {end}")
+        kc, vc = self.k[layer.layer_idx], self.v[layer.layer_idx]
+        kc[start:end] = k
+        vc[start:end] = v
+        return attend(layer, q, kc[:end], vc[:end])
+
+
+class PagedTorchBackend(AttentionBackend):
+    """The paged KV pool read with plain torch (the reference for the Triton kernels).
+
+    `kv_caches[layer]` is `[2, num_blocks, block_size, KVH, D]`. New K/V are scattered to `slot_mapping`;
+    prefill sequences gather their keys block by block through `block_tables` (they may have a cached
+    prefix); decode sequences are gathered together and attended in one batched call.
+    """
+
+    def __init__(self, kv_caches: list[torch.Tensor]):
+        self.kv_caches = kv_caches
+
+    @staticmethod
+    def store(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write k/v `[T, KVH, D]` into the pool at `slot_mapping [T]` (one index_copy per tensor)."""
+        nb, bs = kv_cache.shape[1], kv_cache.shape[2]
+        flat = kv_cache.view(2, nb * bs, *kv_cache.shape[3:])
+        flat[0].index_copy_(0, slot_mapping, k)
+        flat[1].index_copy_(0, slot_mapping, v)
+
+    @staticmethod
+    def gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+        """Keys or values `[length, KVH, D]` of one sequence from `cache [num_blocks, bs, KVH, D]`."""
+        bs = cache.shape[1]
+        nblk = (length + bs - 1) // bs
+        return cache[block_table[:nblk]].flatten(0, 1)[:length]
+
+    def forward(self, layer: Attention, q, k, v, ctx: ForwardContext) -> torch.Tensor:
+        kv = self.kv_caches[layer.layer_idx]
+        self.store(kv, k, v, ctx.slot_mapping)
+        out = torch.empty_like(q)
+        for i in range(ctx.num_prefills):
+            q0, q1 = int(ctx.cu_seqlens_q[i]), int(ctx.cu_seqlens_q[i + 1])
+            n = int(ctx.context_lens[i])
+            keys = self.gather(kv[0], ctx.block_tables[i], n)
+            vals = self.gather(kv[1], ctx.block_tables[i], n)
+            out[q0:q1] = attend(layer, q[q0:q1], keys, vals)
+        if ctx.num_prefill_tokens < q.shape[0]:
+            out[ctx.num_prefill_tokens:] = self._decode(layer, kv, q[ctx.num_prefill_tokens:], ctx)
+        return out
+
+    def _decode(self, layer: Attention, kv, q, ctx: ForwardContext) -> torch.Tensor:
+        """Batched decode: one query per sequence against its gathered, padded context."""
+        tables = ctx.block_tables[ctx.num_prefills:]
+        lens = ctx.context_lens[ctx.num_prefills:].long()
+        b, bs = q.shape[0], kv.shape[2]
+        max_len = int(ctx.extra.get("max_decode_context", 0)) or int(lens.max())
+        nblk = (max_len + bs - 1) // bs
+        keys = kv[0][tables[:, :nblk]].flatten(1, 2)  # [B, nblk*bs, KVH, D]
+        vals = kv[1][tables[:, :nblk]].flatten(1, 2)
+        k_pos = torch.arange(keys.shape[1], device=q.device)
+        q_pos = (lens - 1).view(b, 1)
+        mask = visibility_mask(q_pos, k_pos.expand(b, -1), layer.sliding_window)  # [B, 1, Lk]
+        mask &= (k_pos.view(1, -1) < lens.view(b, 1)).unsqueeze(1)
+        if layer.alibi_slopes is not None:
+            dist = (q_pos.view(b, 1, 1, 1) - k_pos.view(1, 1, 1, -1)).abs()
+            bias = -layer.alibi_slopes.view(1, -1, 1, 1).to(q.device) * dist
+            attn_mask = bias.masked_fill(~mask.unsqueeze(1), float("-inf")).to(q.dtype)
+        else:
+            attn_mask = mask.unsqueeze(1)  # [B, 1, 1, Lk]
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=attn_mask, scale=layer.scale,
+            enable_gqa=layer.num_heads != layer.num_kv_heads)  # [B, H, 1, D]
+        return out.squeeze(2)

@@ -1,0 +1,90 @@
+"""What a request returns, shaped like vLLM's `RequestOutput` / `CompletionOutput`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One of the `n` completions of a request.
+
+    Attributes:
+        index: which of the n completions this is.
+        text: the generated text so far (stop string removed unless asked to keep it).
+        token_ids: generated token ids so far.
+        finish_reason: None while running, then "stop" (EOS, stop id or stop string), "length"
+            (max_tokens or max_model_len reached) or "abort".
+        stop_reason: the stop string or token id that matched, if any.
+        logprobs: per generated token, a dict {token_id: logprob} of the top-`logprobs` tokens plus the
+            chosen one (natural log), or None when not asked for.
+        cumulative_logprob: sum of the chosen tokens' logprobs.
+    """
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float = 0.0
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request: its prompt and its `n` completions.
+
+    `LLM.generate` returns finished ones; `LLMEngine.step` returns one per request that made progress, with
+    the full text so far (streaming callers diff it against what they already sent).
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+    metrics: "RequestMetrics | None" = None
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock timestamps of one request (seconds, `time.perf_counter()` clock).
+
+    TTFT = first_token_time - arrival_time; TPOT = (last_token_time - first_token_time) / (tokens - 1);
+    ITL are the gaps between consecutive token times.
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def itl(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def tpot(self) -> float | None:
+        t = self.token_times
+        if len(t) < 2:
+            return None
+        return (t[-1] - t[0]) / (len(t) - 1)
+
+    @property
+    def e2e(self) -> float | None:
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time

@@ -1,0 +1,101 @@
+"""From logits to the next token (article §7, §13): temperature, top-k, top-p, min-p, seeded draws, logprobs.
+
+All rows of a batch are processed together with tensor ops; per-request settings become per-row tensors.
+The draw uses the "exponential race": argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with probability
+p_i (it is Gumbel-max in disguise), so a seeded request only needs its own stream of E's, and its tokens do
+not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minfer.sequence import Sequence
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k and nucleus (top-p).
+
+    Args:
+        logits: float32 `[B, V]` (already divided by temperature).
+        top_k: int64 `[B]` (V means off) or None. top_p: float32 `[B]` (1.0 means off) or None.
+    """
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if top_k is not None:
+        ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
+        sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        # Keep a token if the mass strictly before it is < top_p: the smallest set reaching top_p.
+        before = probs.cumsum(dim=-1) - probs
+        sorted_logits = sorted_logits.masked_fill(before >= top_p.unsqueeze(1), float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p x the most likely token's (Nguyen et al., 2024)."""
+    probs = logits.softmax(dim=-1)
+    keep = probs >= min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+class Sampler:
+    """Samples one token per sequence from `logits [B, V]` (float32).
+
+    `generator` draws for unseeded requests; seeded ones use their own `Sequence.generator`.
+    Returns (tokens int64 `[B]`, chosen-token logprobs float32 `[B]`, per-row top-logprob dicts or None).
+    Logprobs are those of the model's raw distribution (before temperature/top-k/top-p), as in vLLM.
+    """
+
+    def __init__(self, generator: torch.Generator | None = None):
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]):
+        b = logits.shape[0]
+        params = [s.params for s in seqs]
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, seqs, params, greedy)
+        want_lp = [p.logprobs for p in params]
+        if all(k is None for k in want_lp):
+            return tokens, None, None
+        logp = logits.log_softmax(dim=-1)
+        chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        k_max = max(k or 0 for k in want_lp)
+        top_vals, top_ids = (logp.topk(k_max, dim=-1) if k_max else (None, None))
+        tops = []
+        for i in range(b):
+            d = {}
+            if want_lp[i]:
+                d = dict(zip(top_ids[i, :want_lp[i]].tolist(), top_vals[i, :want_lp[i]].tolist()))
+            d[int(tokens[i])] = float(chosen[i])
+            tops.append(d)
+        return tokens, chosen, tops
+
+    def _sample(self, logits, seqs, params, greedy):
+        device = logits.device
+        temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], device=device)
+        x = logits / temps.unsqueeze(1)
+        vocab = logits.shape[-1]
+        if any(p.top_k != -1 for p in params) or any(p.top_p < 1 for p in params):
+            top_k = torch.tensor([vocab if p.top_k == -1 else min(p.top_k, vocab) for p in params], device=device)
+            top_p = torch.tensor([p.top_p for p in params], device=device)
+            x = apply_top_k_top_p(x, top_k, top_p)
+        if any(p.min_p > 0 for p in params):
+            x = apply_min_p(x, torch.tensor([p.min_p for p in params], device=device))
+        probs = x.softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=device).exponential_(
+                generator=self.generator)
+        for i, s in enumerate(seqs):
+            if s.generator is not None:
+                noise[i].exponential_(generator=s.generator)
+        tokens = (probs / noise).argmax(dim=-1)
+        if any(greedy):
+            g = torch.tensor(greedy, device=device)
+            tokens = torch.where(g, logits.argmax(dim=-1), tokens)
+        return tokens

@@ -1,0 +1,150 @@
+"""One sequence being generated: its tokens, text, stop state and where its KV lives.
+
+Both the simple path (`minfer.generate`) and the engine grow sequences through `Sequence.append_token`,
+so stop handling (EOS ids, stop ids, stop strings across token boundaries, max_tokens, max_model_len)
+is written once.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+import torch
+
+from minfer.outputs import CompletionOutput
+from minfer.sampling_params import SamplingParams
+from minfer.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, held_back
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+_seq_counter = itertools.count()
+
+
+def request_generator(params: SamplingParams, index: int, device) -> torch.Generator | None:
+    """A private random stream for a seeded request; completion `index` of `n` gets its own stream."""
+    if params.seed is None or params.greedy:
+        return None
+    g = torch.Generator(device=device)
+    g.manual_seed((params.seed * 1_000_003 + index) % (2 ** 63))
+    return g
+
+
+class Sequence:
+    """A prompt and the tokens generated after it.
+
+    Attributes:
+        prompt_token_ids / output_token_ids: lists of int.
+        num_computed_tokens: tokens whose K/V are in the cache (the engine advances it).
+        block_table: the KV blocks of this sequence, in order (engine only).
+    """
+
+    def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
+                 tokenizer: Tokenizer | None, max_model_len: int, device="cpu"):
+        self.seq_id = next(_seq_counter)
+        self.request_id, self.index = request_id, index
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.max_model_len = max_model_len
+        self.max_tokens = params.max_tokens or (max_model_len - len(prompt_token_ids))
+        self.stop_ids = params.all_stop_token_ids
+        self.status = SequenceStatus.WAITING
+        self.tokenizer = tokenizer
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens) if tokenizer else None
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.generator = request_generator(params, index, device)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # hash chain of the full, computed blocks (prefix caching)
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
+
+    # -- views --------------------------------------------------------------------------------------
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def visible_text(self) -> str:
+        """Text safe to show now: all of it once finished, else without a tail that may start a stop string."""
+        if self.is_finished or not self.params.stop:
+            return self.text
+        return self.text[:len(self.text) - held_back(self.text, self.params.stop)]
+
+    def to_output(self) -> CompletionOutput:
+        return CompletionOutput(index=self.index, text=self.visible_text(), token_ids=list(self.output_token_ids),
+                                finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+                                logprobs=None if self.logprobs is None else list(self.logprobs),
+                                cumulative_logprob=self.cumulative_logprob)
+
+    # -- growing --------------------------------------------------------------------------------------
+    def append_token(self, token: int, logprob: float = 0.0, top_logprobs: dict[int, float] | None = None) -> None:
+        """Add a sampled token, update the text, and decide whether the sequence is finished."""
+        self.output_token_ids.append(token)
+        self.cumulative_logprob += logprob
+        if self.logprobs is not None:
+            self.logprobs.append(top_logprobs or {token: logprob})
+        if token in self.stop_ids:
+            self.finish_reason, self.stop_reason = "stop", (None if token in self.params._eos_token_ids
+                                                            and token not in self.params.stop_token_ids else token)
+            return
+        if self.detok is not None:
+            new = self.detok.step([token])
+            self.text += new
+            if self.params.stop and new:
+                hit = find_stop(self.text, self.params.stop, len(new))
+                if hit is not None:
+                    start, stop = hit
+                    self.text = self.text[:start + (len(stop) if self.params.include_stop_str_in_output else 0)]
+                    self.finish_reason, self.stop_reason = "stop", stop
+                    return
+        if len(self.output_token_ids) >= self.max_tokens or len(self) >= self.max_model_len:
+            self.finish_reason = "length"
+
+    def abort(self) -> None:
+        if not self.is_finished:
+            self.finish_reason = "abort"
+
+
+def validate_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int) -> None:
+    """Check a prompt against the length budget (article §10: max_model_len bounds prompt + output).
+
+    Raises:
+        ValueError: empty prompt, token ids outside the vocabulary, a prompt that leaves no room for output,
+            or prompt + max_tokens above max_model_len (the message states all three numbers).
+    """
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise ValueError("the prompt is empty: give at least one token")
+    bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}); got {bad[:5]}")
+    if n >= max_model_len:
+        raise ValueError(
+            f"the prompt has {n} tokens, but max_model_len is {max_model_len}: that leaves no room for output "
+            f"(max_tokens={params.max_tokens}). Shorten the prompt or raise max_model_len.")
+    if params.max_tokens is not None and n + params.max_tokens > max_model_len:
+        raise ValueError(
+            f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} exceeds "
+            f"max_model_len ({max_model_len}); at most {max_model_len - n} new tokens fit. "
+            "Lower max_tokens or raise max_model_len.")

@@ -1,0 +1,158 @@
+"""`python -m minfer.serve`: serve a model with an OpenAI-compatible API (article §9 and §16).
+
+With no arguments it serves the default model (smollm2-135m-instruct) on http://127.0.0.1:8000. The flags
+carry vLLM's names and meanings (`vllm serve MODEL --max-num-seqs ...`), each mapped onto one `EngineArgs`
+field. A flag whose feature minfer has not built (tensor/pipeline parallelism, quantization, an fp8 KV cache)
+stops start-up with the reason and exit status 2: none is silently ignored.
+
+    python -m minfer.serve --max-model-len 2048 --enable-prefix-caching --max-num-seqs 64 --port 8000
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+from dataclasses import fields
+
+from minfer.config import DEFAULT_MODEL, EngineArgs
+
+logger = logging.getLogger("minfer.serve")
+
+_DEFAULTS = {f.name: f.default for f in fields(EngineArgs)}
+
+
+def _bytes(text: str) -> int:
+    """'1073741824', '512M', '1.5G', '2GiB' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (use e.g. 536870912, 512M, 2G)")
+    scale = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}[m.group(2).lower()]
+    return int(float(m.group(1)) * scale)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m minfer.serve",
+        description="Serve a model with an OpenAI-compatible API (flags named as vLLM's).",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = _DEFAULTS
+    a = p.add_argument
+    a("model_tag", nargs="?", default=None, metavar="MODEL",
+      help="model, as in `vllm serve MODEL` (same as --model)")
+    a("--model", default=None, help=f"HF directory, .gguf file or alias (default: {DEFAULT_MODEL})")
+    a("--tokenizer", default=None, help="tokenizer directory if not the model's (default: the model's)")
+    a("--served-model-name", nargs="+", default=None, metavar="NAME",
+      help="name(s) clients use in 'model' (default: the --model value)")
+    a("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    a("--port", type=int, default=8000, help="TCP port (default: 8000)")
+    a("--api-key", default=os.environ.get("MINFER_API_KEY"),
+      help="require 'Authorization: Bearer KEY' on /v1 routes (default: none; env MINFER_API_KEY)")
+    a("--tensor-parallel-size", "-tp", type=int, default=d["tensor_parallel_size"],
+      help=f"GPUs to shard each layer over (default: {d['tensor_parallel_size']}; >1 not built)")
+    a("--pipeline-parallel-size", "-pp", type=int, default=d["pipeline_parallel_size"],
+      help=f"pipeline stages (default: {d['pipeline_parallel_size']}; >1 not built)")
+    a("--max-model-len", type=int, default=d["max_model_len"],
+      help="most tokens per sequence, prompt + output (tokens; default: the model's limit)")
+    a("--gpu-memory-utilization", type=float, default=d["gpu_memory_utilization"],
+      help=f"fraction of GPU memory for weights + KV cache, CUDA only (0-1; default: {d['gpu_memory_utilization']})")
+    a("--kv-cache-memory-bytes", type=_bytes, default=d["kv_cache_memory_bytes"],
+      help="KV pool size, overrides the fraction (bytes, e.g. 512M; default: from memory)")
+    a("--dtype", default=d["dtype"], help=f"weight/activation dtype: auto, float32, bfloat16, float16 "
+                                          f"(default: {d['dtype']})")
+    a("--quantization", "-q", default=d["quantization"], help="weight quantization method (default: none; not built)")
+    a("--kv-cache-dtype", default=d["kv_cache_dtype"], help=f"KV cache dtype (default: {d['kv_cache_dtype']}; "
+                                                            "fp8 not built)")
+    a("--block-size", type=int, default=d["block_size"], help=f"tokens per KV block (tokens; default: {d['block_size']})")
+    a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d["enable_prefix_caching"],
+      help=f"reuse KV blocks of shared prompt prefixes (default: {d['enable_prefix_caching']})")
+    a("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=d["enable_chunked_prefill"],
+      help=f"split long prompts into chunks batched with decodes (default: {d['enable_chunked_prefill']})")
+    a("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"],
+      help="most tokens (prefill + decode) in one step (tokens; default: chosen by the engine)")
+    a("--max-num-seqs", type=int, default=d["max_num_seqs"],
+      help=f"most sequences in one step (sequences; default: {d['max_num_seqs']})")
+    a("--swap-space", type=float, default=d["swap_space"],
+      help=f"CPU memory for swapped-out KV of preempted sequences (GiB; default: {d['swap_space']})")
+    a("--preemption-mode", choices=["recompute", "swap"], default=d["preemption_mode"],
+      help="what to do with a preempted sequence's KV (default: recompute, or swap if --swap-space > 0)")
+    a("--enforce-eager", action=argparse.BooleanOptionalAction, default=d["enforce_eager"],
+      help=f"no graph capture; minfer always runs eagerly (default: {d['enforce_eager']})")
+    a("--enable-flash-attn", action="store_true",
+      help="Triton FlashAttention + paged-decode kernels, i.e. attention_backend=triton (default: off, torch)")
+    a("--device", default=d["device"], help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    a("--seed", type=int, default=d["seed"], help=f"engine random seed (default: {d['seed']})")
+    a("--disable-log-requests", action="store_true", help="do not log each request (default: log them)")
+    a("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"],
+      help="uvicorn's log level (default: info)")
+    return p
+
+
+def engine_args_from(args: argparse.Namespace) -> EngineArgs:
+    """EngineArgs from parsed flags; raises ValueError for a bad value or a feature that is not built."""
+    model = args.model or args.model_tag or DEFAULT_MODEL
+    if args.model and args.model_tag and args.model != args.model_tag:
+        raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+    return EngineArgs(
+        model=model, tokenizer=args.tokenizer, dtype=args.dtype, max_model_len=args.max_model_len,
+        seed=args.seed, block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes, swap_space=args.swap_space,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
+        preemption_mode=args.preemption_mode,
+        attention_backend="triton" if args.enable_flash_attn else _DEFAULTS["attention_backend"],
+        enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size, quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype, device=args.device)
+
+
+def _fmt_bytes(n) -> str:
+    n = float(n or 0)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        engine_args = engine_args_from(args)
+    except ValueError as exc:
+        print(f"python -m minfer.serve: error: {exc}", file=sys.stderr)
+        return 2
+
+    from minfer.engine import LLMEngine  # noqa: PLC0415 - heavy import after the flags are checked
+    try:
+        engine = LLMEngine.from_engine_args(engine_args)
+    except ValueError as exc:
+        print(f"python -m minfer.serve: error: {exc}", file=sys.stderr)
+        return 2
+
+    import uvicorn  # noqa: PLC0415
+
+    from minfer.serve.api import build_app  # noqa: PLC0415
+
+    names = args.served_model_name or [engine_args.model]
+    pool = engine.kv_pool_info()
+    mc = engine.model_config
+    logger.info("model: %s (served as %s), dtype: %s, max_model_len: %d", getattr(engine, "model_name", engine_args.model),
+                ", ".join(names), getattr(mc, "dtype", engine_args.dtype), mc.max_model_len)
+    logger.info("KV pool: %d blocks x %d tokens = %d tokens, %s", pool.get("num_blocks", 0),
+                pool.get("block_size", 0), pool.get("num_tokens", 0), _fmt_bytes(pool.get("bytes", 0)))
+    logger.info("engine args: %s", engine_args)
+    app = build_app(engine, served_model_names=names, api_key=args.api_key,
+                    log_requests=not args.disable_log_requests)
+    logger.info("serving on http://%s:%d (OpenAI API at /v1, metrics at /metrics, demo page at /)%s",
+                args.host, args.port, ", API key required" if args.api_key else "")
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                timeout_graceful_shutdown=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
