@@ -184,7 +184,13 @@ class LLMEngine:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(args.seed)
         backend = self._make_backend(args.attention_backend)
-        self.runner = ModelRunner(self.model, self.pool, args.block_size, Sampler(self.generator), backend)
+        if args.attention_backend == "triton":
+            from minfer.kernels.backend import TritonSampler
+
+            sampler = TritonSampler(self.generator)  # fused_sample where a batch allows it
+        else:
+            sampler = Sampler(self.generator)
+        self.runner = ModelRunner(self.model, self.pool, args.block_size, sampler, backend)
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._prompt_tokens = self._gen_tokens = self._steps = 0
@@ -199,8 +205,9 @@ class LLMEngine:
 
     def _make_backend(self, name: str):
         if name == "triton":
-            from minfer.kernels.backend import TritonBackend
+            from minfer.kernels.backend import TritonBackend, install_fused_ops
 
+            install_fused_ops(self.model)  # RMSNorm, SiLU-and-mul, RoPE -> fused kernels (this model only)
             return TritonBackend(self.pool.layers)
         return PagedTorchBackend(self.pool.layers)
 

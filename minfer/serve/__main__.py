@@ -37,44 +37,44 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m minfer.serve",
         description="Serve a model with an OpenAI-compatible API (flags named as vLLM's).",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, max_help_position=44, width=160))
     d = _DEFAULTS
     a = p.add_argument
     a("model_tag", nargs="?", default=None, metavar="MODEL",
       help="model, as in `vllm serve MODEL` (same as --model)")
-    a("--model", default=None, help=f"HF directory, .gguf file or alias (default: {DEFAULT_MODEL})")
-    a("--tokenizer", default=None, help="tokenizer directory if not the model's (default: the model's)")
+    a("--model", default=None, metavar="NAME", help=f"HF directory, .gguf file or alias (default: {DEFAULT_MODEL})")
+    a("--tokenizer", default=None, metavar="DIR", help="tokenizer directory if not the model's (default: the model's)")
     a("--served-model-name", nargs="+", default=None, metavar="NAME",
       help="name(s) clients use in 'model' (default: the --model value)")
-    a("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    a("--port", type=int, default=8000, help="TCP port (default: 8000)")
-    a("--api-key", default=os.environ.get("MINFER_API_KEY"),
+    a("--host", default="127.0.0.1", metavar="ADDR", help="address to listen on (default: 127.0.0.1)")
+    a("--port", type=int, default=8000, metavar="N", help="TCP port (default: 8000)")
+    a("--api-key", default=os.environ.get("MINFER_API_KEY"), metavar="KEY",
       help="require 'Authorization: Bearer KEY' on /v1 routes (default: none; env MINFER_API_KEY)")
-    a("--tensor-parallel-size", "-tp", type=int, default=d["tensor_parallel_size"],
+    a("--tensor-parallel-size", "-tp", type=int, metavar="N", default=d["tensor_parallel_size"],
       help=f"GPUs to shard each layer over (default: {d['tensor_parallel_size']}; >1 not built)")
-    a("--pipeline-parallel-size", "-pp", type=int, default=d["pipeline_parallel_size"],
+    a("--pipeline-parallel-size", "-pp", type=int, metavar="N", default=d["pipeline_parallel_size"],
       help=f"pipeline stages (default: {d['pipeline_parallel_size']}; >1 not built)")
-    a("--max-model-len", type=int, default=d["max_model_len"],
+    a("--max-model-len", type=int, metavar="N", default=d["max_model_len"],
       help="most tokens per sequence, prompt + output (tokens; default: the model's limit)")
-    a("--gpu-memory-utilization", type=float, default=d["gpu_memory_utilization"],
+    a("--gpu-memory-utilization", type=float, metavar="FRAC", default=d["gpu_memory_utilization"],
       help=f"fraction of GPU memory for weights + KV cache, CUDA only (0-1; default: {d['gpu_memory_utilization']})")
-    a("--kv-cache-memory-bytes", type=_bytes, default=d["kv_cache_memory_bytes"],
+    a("--kv-cache-memory-bytes", type=_bytes, metavar="BYTES", default=d["kv_cache_memory_bytes"],
       help="KV pool size, overrides the fraction (bytes, e.g. 512M; default: from memory)")
-    a("--dtype", default=d["dtype"], help=f"weight/activation dtype: auto, float32, bfloat16, float16 "
+    a("--dtype", default=d["dtype"], metavar="DTYPE", help=f"weight/activation dtype: auto, float32, bfloat16, float16 "
                                           f"(default: {d['dtype']})")
-    a("--quantization", "-q", default=d["quantization"], help="weight quantization method (default: none; not built)")
-    a("--kv-cache-dtype", default=d["kv_cache_dtype"], help=f"KV cache dtype (default: {d['kv_cache_dtype']}; "
+    a("--quantization", "-q", default=d["quantization"], metavar="METHOD", help="weight quantization method (default: none; any method is refused: not built)")
+    a("--kv-cache-dtype", default=d["kv_cache_dtype"], metavar="DTYPE", help=f"KV cache dtype (default: {d['kv_cache_dtype']}; "
                                                             "fp8 not built)")
-    a("--block-size", type=int, default=d["block_size"], help=f"tokens per KV block (tokens; default: {d['block_size']})")
+    a("--block-size", type=int, metavar="N", default=d["block_size"], help=f"tokens per KV block (tokens; default: {d['block_size']})")
     a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d["enable_prefix_caching"],
       help=f"reuse KV blocks of shared prompt prefixes (default: {d['enable_prefix_caching']})")
     a("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=d["enable_chunked_prefill"],
       help=f"split long prompts into chunks batched with decodes (default: {d['enable_chunked_prefill']})")
-    a("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"],
+    a("--max-num-batched-tokens", type=int, metavar="N", default=d["max_num_batched_tokens"],
       help="most tokens (prefill + decode) in one step (tokens; default: chosen by the engine)")
-    a("--max-num-seqs", type=int, default=d["max_num_seqs"],
+    a("--max-num-seqs", type=int, metavar="N", default=d["max_num_seqs"],
       help=f"most sequences in one step (sequences; default: {d['max_num_seqs']})")
-    a("--swap-space", type=float, default=d["swap_space"],
+    a("--swap-space", type=float, metavar="GIB", default=d["swap_space"],
       help=f"CPU memory for swapped-out KV of preempted sequences (GiB; default: {d['swap_space']})")
     a("--preemption-mode", choices=["recompute", "swap"], default=d["preemption_mode"],
       help="what to do with a preempted sequence's KV (default: recompute, or swap if --swap-space > 0)")
@@ -82,11 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
       help=f"no graph capture; minfer always runs eagerly (default: {d['enforce_eager']})")
     a("--enable-flash-attn", action="store_true",
       help="Triton FlashAttention + paged-decode kernels, i.e. attention_backend=triton (default: off, torch)")
-    a("--device", default=d["device"], help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
-    a("--seed", type=int, default=d["seed"], help=f"engine random seed (default: {d['seed']})")
+    a("--device", default=d["device"], metavar="DEV", help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    a("--seed", type=int, metavar="N", default=d["seed"], help=f"engine random seed (default: {d['seed']})")
     a("--disable-log-requests", action="store_true", help="do not log each request (default: log them)")
-    a("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"],
-      help="uvicorn's log level (default: info)")
+    a("--uvicorn-log-level", default="info", metavar="LEVEL", choices=["critical", "error", "warning", "info", "debug", "trace"],
+      help="uvicorn's log level: critical, error, warning, info, debug, trace (default: info)")
     return p
 
 
@@ -129,11 +129,18 @@ def main(argv: list[str] | None = None) -> int:
     from minfer.engine import LLMEngine  # noqa: PLC0415 - heavy import after the flags are checked
     try:
         engine = LLMEngine.from_engine_args(engine_args)
-    except ValueError as exc:
+    except ValueError as exc:  # a setting the engine refuses (e.g. a KV pool too small for max_model_len)
         print(f"python -m minfer.serve: error: {exc}", file=sys.stderr)
         return 2
+    except (OSError, RuntimeError, ImportError) as exc:  # model files missing, out of memory, ...
+        logger.exception("could not start the engine")
+        print(f"python -m minfer.serve: error: could not load {engine_args.model!r}: {exc}", file=sys.stderr)
+        return 1
 
     import uvicorn  # noqa: PLC0415
+    from prometheus_client import disable_created_metrics  # noqa: PLC0415
+
+    disable_created_metrics()  # no `*_created` series (as vLLM): this process is the server, nothing else
 
     from minfer.serve.api import build_app  # noqa: PLC0415
 

@@ -442,7 +442,7 @@ def _reject_unsupported(body: dict, chat: bool) -> None:
             raise APIError(400, f"'{name}' is not supported by minfer", param=name)
 
 
-def _sampling_params(body: dict, *, chat: bool, max_model_len: int) -> SamplingParams:
+def _sampling_params(body: dict, *, chat: bool) -> SamplingParams:
     _reject_unsupported(body, chat)
     if chat:
         max_tokens = _get(body, "max_completion_tokens", _get(body, "max_tokens"))
@@ -589,10 +589,6 @@ def _chat_logprobs(tok: _TokenText, token_ids: list[int], logprobs: list[dict], 
     return {"content": content}
 
 
-def _finish_reason(reason: str | None) -> str | None:
-    return reason
-
-
 def _stable_text(text: str, finished: bool) -> str:
     """Hold back a trailing replacement char (half a UTF-8 character) until the next token completes it."""
     if finished:
@@ -733,10 +729,10 @@ def build_app(engine, served_model_names: list[str] | str | None = None, api_key
                           else _completion_logprobs(tok_text, o.token_ids, o.logprobs, k))
                 if chat:
                     choices.append({"index": index, "message": {"role": "assistant", "content": o.text},
-                                    "logprobs": lp, "finish_reason": _finish_reason(o.finish_reason)})
+                                    "logprobs": lp, "finish_reason": o.finish_reason})
                 else:
                     choices.append({"index": index, "text": o.text, "logprobs": lp,
-                                    "finish_reason": _finish_reason(o.finish_reason)})
+                                    "finish_reason": o.finish_reason})
         choices.sort(key=lambda c: c["index"])
         return {"id": req_id, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": model, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
@@ -792,7 +788,7 @@ def build_app(engine, served_model_names: list[str] | str | None = None, api_key
                             continue
                         if done:
                             finished.add(key)
-                        reason = _finish_reason(o.finish_reason)
+                        reason = o.finish_reason
                         if chat:
                             choices.append({"index": index, "delta": {"content": delta} if delta else {},
                                             "logprobs": lp, "finish_reason": reason})
@@ -829,7 +825,7 @@ def build_app(engine, served_model_names: list[str] | str | None = None, api_key
     async def completions(request: Request):
         body = await read_json(request)
         model = check_model(body)
-        params = _sampling_params(body, chat=False, max_model_len=max_model_len)
+        params = _sampling_params(body, chat=False)
         prompts = _prompts(body)
         return await run(request, body, prompts, params, chat=False, model=model, id_prefix="cmpl")
 
@@ -837,7 +833,7 @@ def build_app(engine, served_model_names: list[str] | str | None = None, api_key
     async def chat_completions(request: Request):
         body = await read_json(request)
         model = check_model(body)
-        params = _sampling_params(body, chat=True, max_model_len=max_model_len)
+        params = _sampling_params(body, chat=True)
         messages = _normalize_messages(body.get("messages"))
         try:
             prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
