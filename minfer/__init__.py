@@ -3,6 +3,16 @@
 The public surface is vLLM's offline API: `LLM`, `SamplingParams`, `RequestOutput`.
 """
 
+import os
+
+if "TRITON_INTERPRET" not in os.environ:
+    # Triton reads this when it is first imported (transformers may import it before minfer.kernels does):
+    # without a GPU, kernels run in Triton's interpreter on the CPU.
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 from minfer.outputs import CompletionOutput, RequestOutput
 from minfer.sampling_params import SamplingParams
 

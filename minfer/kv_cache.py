@@ -67,11 +67,12 @@ class KVCachePool:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, num_cpu_blocks: int = 0):
         shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        # torch.empty: pages are touched only when written, so a large CPU pool costs nothing up front.
-        self.layers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        # Zeroed, not torch.empty: attention masks unused slots of a partly filled block with -inf, but a
+        # probability of 0 times a NaN left in uninitialised memory is still NaN.
+        self.layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
         cpu_shape = (2, num_cpu_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         pin = device.type == "cuda"
-        self.cpu_layers = ([torch.empty(cpu_shape, dtype=dtype, pin_memory=pin) for _ in range(cfg.num_hidden_layers)]
+        self.cpu_layers = ([torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin) for _ in range(cfg.num_hidden_layers)]
                            if num_cpu_blocks else [])
         self.num_blocks, self.block_size, self.num_cpu_blocks = num_blocks, block_size, num_cpu_blocks
 
