@@ -121,13 +121,13 @@ def test_step_streams_and_abort_frees_blocks():
     assert engine.all_blocks_free()
 
 
-def test_request_that_can_never_fit_is_rejected():
-    llm = LLM(max_model_len=1024, seed=0, kv_cache_memory_bytes=48 * MIB)
-    with pytest.raises(ValueError, match="could never run"):
-        llm.generate(["x " * 900], SamplingParams(max_tokens=100))
-    with pytest.raises(ValueError, match="max_model_len=2048"):
+def test_pool_too_small_for_max_model_len_fails_at_start():
+    """A pool that cannot hold one max_model_len sequence is refused at start-up (so no request can be
+    admitted that could never finish): the error states the numbers and the option to change."""
+    with pytest.raises(ValueError, match=r"max_model_len=2048 tokens needs 128 blocks.*Raise kv_cache_memory_bytes"):
         LLM(max_model_len=2048, kv_cache_memory_bytes=48 * MIB)
-    assert llm.llm_engine.all_blocks_free()
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        LLM(max_model_len=1024, max_num_batched_tokens=512, kv_cache_memory_bytes=64 * MIB)
 
 
 def test_stats_fields(llm):
