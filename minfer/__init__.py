@@ -5,6 +5,12 @@ The public surface is vLLM's offline API: `LLM`, `SamplingParams`, `RequestOutpu
 
 import os
 
+# Threads that sleep at OpenMP barriers instead of spinning. With spinning (the default), a matmul whose
+# two threads share the cores with anything else (a server's HTTP threads, a benchmark client, a notebook)
+# waits for a descheduled thread at every barrier: measured 5x slower decode on a busy 2-core machine.
+# Read once, when torch loads its OpenMP runtime, so it must be set before `import torch`.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 if "TRITON_INTERPRET" not in os.environ:
     # Triton reads this when it is first imported (transformers may import it before minfer.kernels does):
     # without a GPU, kernels run in Triton's interpreter on the CPU.

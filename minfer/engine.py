@@ -26,7 +26,7 @@ from minfer.outputs import RequestMetrics, RequestOutput
 from minfer.sampling import Sampler
 from minfer.sampling_params import SamplingParams
 from minfer.scheduler import ScheduledBatch, Scheduler
-from minfer.sequence import Sequence, SequenceStatus, validate_prompt
+from minfer.sequence import Sequence, validate_prompt
 from minfer.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger("minfer.engine")
@@ -51,8 +51,8 @@ class EngineStats:
     num_prompt_tokens_total: int
     num_generation_tokens_total: int
     num_steps: int
-    scheduler_time_s: float  # time spent scheduling and building the batch (not the forward)
-    forward_time_s: float  # time in the model forward + sampling
+    scheduler_time_s: float  # scheduling, building the batch tensors (block tables, slot mapping), outputs
+    forward_time_s: float  # the model forward + sampling
 
 
 @dataclass
@@ -90,6 +90,7 @@ class ModelRunner:
         self.sampler = sampler
         self.backend = backend
         self.device = next(model.parameters()).device
+        self.build_time_s = 0.0  # time spent turning batches into tensors (part of the scheduling overhead)
 
     def build_context(self, batch: ScheduledBatch) -> tuple[torch.Tensor, ForwardContext, list[int]]:
         """Flat input ids and the ForwardContext of a batch; also which batch rows sample this step."""
@@ -136,7 +137,9 @@ class ModelRunner:
         """Swap blocks, run the forward, sample. Returns (rows that sampled, tokens, logprobs, top dicts)."""
         self.pool.swap_out(batch.swap_out)
         self.pool.swap_in(batch.swap_in)
+        t0 = time.perf_counter()
         input_ids, ctx, rows = self.build_context(batch)
+        self.build_time_s += time.perf_counter() - t0
         hidden = self.model(input_ids, ctx)
         if not rows:
             return rows, None, None, None
@@ -342,7 +345,8 @@ class LLMEngine:
             prefix_cache_hit_rate=bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
             num_preemptions=sch.num_preemptions, num_evicted_blocks=bm.num_evicted_blocks,
             num_prompt_tokens_total=self._prompt_tokens, num_generation_tokens_total=self._gen_tokens,
-            num_steps=self._steps, scheduler_time_s=self._sched_time, forward_time_s=self._fwd_time)
+            num_steps=self._steps, scheduler_time_s=self._sched_time + self.runner.build_time_s,
+            forward_time_s=self._fwd_time - self.runner.build_time_s)
 
     def all_blocks_free(self) -> bool:
         """True when no sequence holds a block (what every test checks after a run)."""

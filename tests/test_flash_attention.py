@@ -8,13 +8,10 @@ fp16 4e-3 (P is rounded to fp16 before the PV product); bf16 3e-2 (8-bit mantiss
 """
 
 import math
-import pathlib
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
 from minfer.kernels import flash_attn_varlen  # noqa: E402
 from minfer.kernels.reference import attention_reference, flash_attn_varlen_reference  # noqa: E402

@@ -7,13 +7,10 @@ Sampling: greedy must be exact; 20k draws over a vocabulary of 8 must be within 
 the target distribution (the expected TV of 20k draws from these distributions is ~0.005-0.01).
 """
 
-import pathlib
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
 from minfer.kernels import (apply_rotary_, fused_add_rms_norm, fused_sample, rms_norm,  # noqa: E402
                             silu_and_mul)

@@ -3,13 +3,10 @@
 Tiny shapes: on a CPU the kernels run under Triton's interpreter. Tolerances as in test_flash_attention.
 """
 
-import pathlib
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
 from minfer.kernels import (combine_splits, flash_attn_varlen, paged_attention_decode,  # noqa: E402
                             paged_decode_splits, store_kvcache)

@@ -26,9 +26,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fake_engine import FakeEngine  # noqa: E402
+from tests.fake_engine import FakeEngine  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 MAX_MODEL_LEN = 512

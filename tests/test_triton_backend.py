@@ -16,13 +16,12 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
 from minfer.kernels import interpreter_active  # noqa: E402
 from minfer.kernels.backend import TritonBackend, TritonSampler, install_fused_ops, window_size  # noqa: E402
 from minfer.model.attention import Attention, ForwardContext, PagedTorchBackend  # noqa: E402
 
-from conftest import needs_default_model  # noqa: E402
+from tests.conftest import needs_default_model  # noqa: E402
 
 DEVICES = (["cpu"] if interpreter_active() else []) + (["cuda"] if torch.cuda.is_available() else [])
 TOL = {torch.float32: 2e-4, torch.float16: 4e-3}

@@ -21,7 +21,7 @@ from torch import nn
 
 from minfer.config import ModelConfig
 from minfer.model.attention import Attention, ForwardContext
-from minfer.model.layers import MLP, MergedLinear, RMSNorm
+from minfer.model.layers import MLP, Linear, MergedLinear, RMSNorm, TiedEmbedding
 from minfer.model.positions import RotaryEmbedding
 
 
@@ -31,7 +31,7 @@ class LlamaAttention(nn.Module):
         h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, d
         self.qkv_proj = MergedLinear(cfg.hidden_size, [h * d, kvh * d, kvh * d], bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=cfg.o_bias)
+        self.o_proj = Linear(h * d, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -99,6 +99,7 @@ class LlamaForCausalLM(nn.Module):
     """
 
     # checkpoint name -> (our parameter, shard index) for merged projections.
+    # With tied embeddings the checkpoint's embedding table is the head's weight.
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
@@ -108,9 +109,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            # One table for both: the checkpoint's embedding is loaded into the head (transposed).
+            self.model.embed_tokens = TiedEmbedding(self.lm_head)
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, ctx)

