@@ -156,9 +156,9 @@ def test_lru_evicts_least_recently_freed_first():
     d = make_seq([2, 2, 2, 2, 9])
     d.num_computed_tokens = bm.allocate_prefix(d)
     assert d.num_computed_tokens == 4  # b's block survived
-    bm.append_slots(d, 1)  # the pool is exhausted now
+    assert bm.num_free_blocks == 0  # c holds 3 blocks, d the 4th
     with pytest.raises(NoFreeBlocksError):
-        bm.append_slots(make_seq(range(4)), 4)
+        bm.append_slots(d, 1)
 
 
 def test_unnamed_blocks_are_reused_before_named_ones():
@@ -246,7 +246,11 @@ def sched(num_blocks=64, max_num_seqs=256, max_num_batched_tokens=2048, chunked=
 
 def step(scheduler, token=7):
     """One engine step without a model: schedule, advance, give a token to each sequence at its end."""
-    batch = scheduler.schedule()
+    return complete(scheduler, scheduler.schedule(), token)
+
+
+def complete(scheduler, batch, token=7):
+    """The second half of a step: what the engine does after the forward."""
     scheduler.finish_step(batch)
     for seq in batch.seqs:
         if seq.num_computed_tokens == len(seq):
@@ -270,18 +274,16 @@ def test_max_num_seqs_is_respected():
 
 def test_max_num_batched_tokens_is_respected():
     s, _ = sched(max_num_batched_tokens=25)
-    seqs = [make_seq(range(10), rid=str(i)) for i in range(4)]
+    seqs = [make_seq(range(10), rid=str(i)) for i in range(5)]
     for q in seqs:
         s.add(q)
-    b1 = s.schedule()
-    assert b1.num_tokens == 20 and b1.seqs == seqs[:2]  # a third prompt of 10 would exceed 25
-    s.finish_step(b1)
-    for q in b1.seqs:
-        q.append_token(7)
+    b1 = step(s)
+    assert b1.num_tokens == 20 and b1.seqs == seqs[:2]  # a third prompt of 10 would make 30
     b2 = s.schedule()
-    assert b2.num_tokens <= 25
-    assert sorted(b2.num_new_tokens) == [1, 1, 10]  # two decodes + one more prompt
-    assert b2.num_new_tokens[0] == 10  # prefills come before decodes in a batch
+    assert b2.num_tokens == 22  # two decodes (2) + two prompts (20); a third prompt would make 32
+    assert b2.num_new_tokens == [10, 10, 1, 1]  # prefills come before decodes in a batch
+    assert b2.seqs == [seqs[2], seqs[3], seqs[0], seqs[1]]
+    assert list(s.waiting) == [seqs[4]]
 
 
 def test_chunked_prefill_splits_a_long_prompt():
@@ -335,7 +337,7 @@ def test_fcfs_when_blocks_run_out():
 
 def test_preemption_by_recompute_frees_blocks():
     s, bm = sched(num_blocks=4)
-    a, b = make_seq(range(7), max_tokens=20, rid="a"), make_seq(range(7), max_tokens=20, rid="b")
+    a, b = make_seq(range(7), max_tokens=9, rid="a"), make_seq(range(7), max_tokens=9, rid="b")
     s.add(a)
     s.add(b)
     step(s)  # both prefilled: 2 blocks each, the pool is full
@@ -347,17 +349,20 @@ def test_preemption_by_recompute_frees_blocks():
     assert b.status is SequenceStatus.WAITING and s.waiting[0] is b
     assert b.block_table == [] and b.num_computed_tokens == 0
     assert len(a.block_table) == 3 and bm.num_free_blocks == 1
-    s.finish_step(batch)
+    complete(s, batch)
     # b comes back and is prefilled again, prompt and generated tokens together, once a finishes
-    while a in s.running:
+    for _ in range(20):  # a grows to 16 tokens = the whole pool, then finishes
+        if a.is_finished:
+            break
         step(s)
+    assert a.is_finished and bm.num_free_blocks == 4
     batch = s.schedule()
     assert batch.seqs == [b] and batch.num_new_tokens == [len(b)]
 
 
 def test_preemption_by_swap_keeps_computed_tokens():
     s, bm = sched(num_blocks=4, mode="swap", num_cpu_blocks=4)
-    a, b = make_seq(range(7), max_tokens=20, rid="a"), make_seq(range(7), max_tokens=20, rid="b")
+    a, b = make_seq(range(7), max_tokens=9, rid="a"), make_seq(range(7), max_tokens=9, rid="b")
     s.add(a)
     s.add(b)
     step(s)
@@ -368,9 +373,12 @@ def test_preemption_by_swap_keeps_computed_tokens():
     assert b.status is SequenceStatus.SWAPPED and list(s.swapped) == [b]
     assert len(batch.swap_out) == 2 and len(bm.cpu_free) == 2
     assert b.num_computed_tokens == computed  # nothing to recompute
-    s.finish_step(batch)
-    while a in s.running:
+    complete(s, batch)
+    for _ in range(20):  # a grows to 16 tokens = the whole pool, then finishes
+        if a.is_finished:
+            break
         step(s)
+    assert a.is_finished and bm.num_free_blocks == 4
     batch = s.schedule()
     assert batch.seqs == [b] and batch.num_new_tokens == [1]  # straight back to decoding
     assert len(batch.swap_in) == 2 and len(bm.cpu_free) == 4

@@ -180,8 +180,11 @@ class PagedTorchBackend(AttentionBackend):
         for i in range(ctx.num_prefills):
             q0, q1 = int(ctx.cu_seqlens_q[i]), int(ctx.cu_seqlens_q[i + 1])
             n = int(ctx.context_lens[i])
-            keys = self.gather(kv[0], ctx.block_tables[i], n)
-            vals = self.gather(kv[1], ctx.block_tables[i], n)
+            if n == q1 - q0:  # a whole prompt, nothing cached before it: its keys are the new ones
+                keys, vals = k[q0:q1], v[q0:q1]
+            else:  # a later chunk or a prefix-cache hit: earlier keys come from the pool
+                keys = self.gather(kv[0], ctx.block_tables[i], n)
+                vals = self.gather(kv[1], ctx.block_tables[i], n)
             out[q0:q1] = attend(layer, q[q0:q1], keys, vals)
         if ctx.num_prefill_tokens < q.shape[0]:
             out[ctx.num_prefill_tokens:] = self._decode(layer, kv, q[ctx.num_prefill_tokens:], ctx)
