@@ -108,7 +108,7 @@ class BlockManager:
             out.append((parent, chunk))
         return out
 
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
+    def cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest cached chain that prefixes `seq` (never the whole sequence: the last
         token must still be computed to have logits to sample from)."""
         if not self.enable_prefix_caching:
@@ -144,16 +144,17 @@ class BlockManager:
                 self.cached[parent] = blk.block_id
 
     # -- sequences ------------------------------------------------------------------------------------
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Could `seq` (waiting) get blocks for its cached prefix plus `num_new_tokens` more?"""
-        hits = self._cached_prefix(seq)
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] | None = None) -> bool:
+        """Could waiting `seq` get blocks for its cached prefix plus `num_new_tokens` more tokens?
+        `hits` is `cached_prefix(seq)` when the caller already has it (the chain is hashed once)."""
+        hits = self.cached_prefix(seq) if hits is None else hits
         hit_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         need = self.blocks_needed(len(hits) * self.block_size + num_new_tokens) - len(hits)
         return need <= self.num_free_blocks - hit_free
 
-    def allocate_prefix(self, seq: Sequence) -> int:
+    def allocate_prefix(self, seq: Sequence, hits: list[int] | None = None) -> int:
         """Attach the cached prefix blocks to a waiting sequence; returns the number of cached tokens."""
-        hits = self._cached_prefix(seq)
+        hits = self.cached_prefix(seq) if hits is None else hits
         if self.enable_prefix_caching:
             self.prefix_queries += len(seq)
             self.prefix_hits += len(hits) * self.block_size

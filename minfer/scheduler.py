@@ -109,36 +109,35 @@ class Scheduler:
                 break
             self.swapped.popleft()
             batch.swap_in.extend(self.bm.swap_in(seq))
-            self.bm.append_slots(seq, n)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
-            budget -= n
+            budget -= self._admit(seq, n, batch)
         # 3. waiting requests, in order, while both budgets and the pool allow.
         while (self.waiting and not self.swapped and not batch.num_preempted and budget > 0
                and len(batch.seqs) < self.max_num_seqs):
             seq = self.waiting[0]
-            cached = len(self.bm._cached_prefix(seq)) * self.bm.block_size
-            want = len(seq) - cached
+            hits = self.bm.cached_prefix(seq)
+            want = len(seq) - len(hits) * self.bm.block_size
             n = min(want, budget) if self.chunked else want
-            if n > budget or not self.bm.can_allocate(seq, n):
+            if n > budget or not self.bm.can_allocate(seq, n, hits):
                 break
             self.waiting.popleft()
-            seq.num_computed_tokens = self.bm.allocate_prefix(seq)
+            seq.num_computed_tokens = self.bm.allocate_prefix(seq, hits)
             if seq.num_cached_tokens == 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
-            self.bm.append_slots(seq, n)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
-            budget -= n
+            budget -= self._admit(seq, n, batch)
         # Prefill chunks first, then decodes: the layout the attention backends expect.
         order = sorted(range(len(batch.seqs)), key=lambda j: batch.num_new_tokens[j] == 1)
         batch.seqs = [batch.seqs[j] for j in order]
         batch.num_new_tokens = [batch.num_new_tokens[j] for j in order]
         return batch
+
+    def _admit(self, seq: Sequence, n: int, batch: ScheduledBatch) -> int:
+        """Give a (swapped-in or newly admitted) sequence slots for n tokens and run it this step."""
+        self.bm.append_slots(seq, n)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(n)
+        return n
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
