@@ -28,8 +28,12 @@ class Block:
 
 
 def block_hash(parent: int | None, token_ids: tuple) -> int:
-    """The name of a full block: its tokens chained to everything before it."""
-    return hash((parent, token_ids))
+    """The name of a full block: its tokens chained to everything before it (parent None = first block).
+
+    Python hashes tuples of ints the same way in every process (only str/bytes hashing is salted), so the
+    names are reproducible; None is replaced by 0 because its hash is its address on Python < 3.12.
+    """
+    return hash((0 if parent is None else parent, tuple(token_ids)))
 
 
 class NoFreeBlocksError(RuntimeError):

@@ -174,6 +174,16 @@ def test_unnamed_blocks_are_reused_before_named_ones():
     assert bm.allocate_prefix(make_seq([1, 2, 3, 4, 5])) == 4
 
 
+def test_a_freed_prefix_is_evicted_from_its_tail():
+    bm = BlockManager(num_blocks=4, block_size=BS, enable_prefix_caching=True)
+    a = run_prefill(bm, make_seq(range(12)))  # three named blocks
+    bm.free_seq(a)  # freed tail first: the first block is the most recently freed
+    s = make_seq(range(50, 58))
+    bm.append_slots(s, 8)  # the one unnamed block, then one eviction
+    assert bm.num_evicted_blocks == 1
+    assert bm.allocate_prefix(make_seq(range(13))) == 8  # the head of the chain is still cached
+
+
 def test_eviction_count_grows_with_each_evicted_block():
     bm = BlockManager(num_blocks=4, block_size=BS, enable_prefix_caching=True)
     for k in range(4):  # four single-block prompts fill the cache
@@ -270,6 +280,8 @@ def test_max_num_seqs_is_respected():
         assert 0 < len(batch.seqs) <= 3
     assert [q.status for q in seqs[:3]] == [SequenceStatus.RUNNING] * 3
     assert all(q.status is SequenceStatus.WAITING for q in seqs[3:])
+    s.max_num_seqs = 2  # fewer slots than running sequences: the batch still obeys the limit
+    assert len(s.schedule().seqs) == 2
 
 
 def test_max_num_batched_tokens_is_respected():
