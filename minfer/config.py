@@ -71,6 +71,22 @@ class EngineArgs:
         def bad(name: str, allowed: str) -> ValueError:
             return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
 
+        import math
+
+        for name in ("seed", "block_size", "max_num_seqs", "tensor_parallel_size", "pipeline_parallel_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise bad(name, "an integer")
+        if not 0 <= self.seed < 2 ** 63:
+            raise bad("seed", "an integer in [0, 2**63)")
+        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+                raise bad(name, "an integer or None")
+        for name in ("gpu_memory_utilization", "swap_space"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                raise bad(name, "a finite number")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32"):
             raise bad("dtype", "one of auto, float32, bfloat16, float16")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):

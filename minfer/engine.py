@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ from minfer.block_manager import BlockManager
 from minfer.config import EngineArgs
 from minfer.kv_cache import KVCachePool, bytes_per_block, determine_num_blocks
 from minfer.model.attention import ForwardContext, PagedTorchBackend
-from minfer.model.loader import load_model
+from minfer.model.loader import load_model, resolve_model
 from minfer.outputs import RequestMetrics, RequestOutput
 from minfer.sampling import Sampler
 from minfer.sampling_params import SamplingParams
@@ -164,7 +165,8 @@ class LLMEngine:
         cfg = loaded.config
         self.hf_config = cfg
         self.model_name = args.model
-        self.tokenizer: Tokenizer = load_tokenizer(loaded.source, loaded.eos_token_ids)
+        tok_source = resolve_model(args.tokenizer) if args.tokenizer else loaded.source
+        self.tokenizer: Tokenizer = load_tokenizer(tok_source, loaded.eos_token_ids)
         max_len = args.max_model_len or cfg.max_position_embeddings
         self.model_config = ModelConfigView(max_model_len=max_len, dtype=loaded.dtype, architecture=cfg.architecture)
         self.max_model_len = max_len
@@ -180,6 +182,10 @@ class LLMEngine:
                                           args.gpu_memory_utilization, max_len)
         per_block = bytes_per_block(cfg, args.block_size, loaded.dtype)
         num_cpu_blocks = int(args.swap_space * (1 << 30)) // per_block
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if args.swap_space * (1 << 30) > ram:
+            raise ValueError(f"swap_space={args.swap_space} GiB is more than this machine's memory "
+                             f"({ram / (1 << 30):.1f} GiB); lower swap_space")
         self.pool = KVCachePool(cfg, num_blocks, args.block_size, loaded.dtype, self.device, num_cpu_blocks)
         self.block_manager = BlockManager(num_blocks, args.block_size, num_cpu_blocks, args.enable_prefix_caching)
         mode = args.preemption_mode or ("swap" if num_cpu_blocks else "recompute")
@@ -247,12 +253,9 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)):
-            text, ids = None, list(prompt)
-        else:
-            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        text, ids = self._prompt_ids(prompt)
         validate_prompt(ids, params, self.max_model_len, self.hf_config.vocab_size)
         total = len(ids) + (params.max_tokens or self.max_model_len - len(ids))
         need = self.block_manager.blocks_needed(min(total, self.max_model_len))
@@ -268,6 +271,26 @@ class LLMEngine:
         for s in seqs:
             self.scheduler.add(s)
         return request_id
+
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt: a string, a list of token ids, or vLLM's dict forms
+        {"prompt": str} / {"prompt_token_ids": [int]}. Raises ValueError for anything else."""
+        if isinstance(prompt, dict):
+            if isinstance(prompt.get("prompt_token_ids"), (list, tuple)):
+                prompt = prompt["prompt_token_ids"]
+            elif isinstance(prompt.get("prompt"), str):
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a dict prompt needs 'prompt' (a string) or 'prompt_token_ids' (a list of ints)")
+        if isinstance(prompt, str):
+            try:
+                return prompt, self.tokenizer.encode(prompt)
+            except Exception as e:  # e.g. lone surrogates the tokenizer cannot encode
+                raise ValueError(f"the prompt could not be tokenized: {e}") from None
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        raise ValueError("prompt must be a string, a list of integer token ids, or a dict with 'prompt' or "
+                         f"'prompt_token_ids'; got {type(prompt).__name__}")
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Stop requests now and free all their KV blocks. Unknown ids are ignored."""

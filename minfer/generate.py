@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m minfer.generate", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help=f"model alias, directory, .gguf or hub id (default {DEFAULT_MODEL})")
-    ap.add_argument("--prompt", default="What is the capital of France?", help="the prompt text")
+    ap.add_argument("--prompt", default="The capital of France is",
+                    help="the prompt text (default: a completion prompt; with --chat, ask a question)")
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     ap.add_argument("--max-tokens", type=int, default=128, help="most new tokens (default 128)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
@@ -118,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len)
         prompt_ids = (llm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat
                       else llm.tokenizer.encode(args.prompt))
+        from minfer.sequence import validate_prompt
+
+        validate_prompt(prompt_ids, params.clone(), llm.llm_engine.max_model_len, llm.llm_engine.hf_config.vocab_size)
         printed = [0]
 
         def on_token(seq):

@@ -6,6 +6,8 @@ once at start-up; the block manager hands out block ids and the attention backen
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from minfer.config import ModelConfig
@@ -50,6 +52,11 @@ def determine_num_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype, 
         knob = "gpu_memory_utilization"
     else:
         budget, knob = CPU_DEFAULT_KV_BYTES, "kv_cache_memory_bytes"
+    if device.type == "cpu":
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if budget > ram:
+            raise ValueError(f"{knob} asks for {human_bytes(budget)} of KV cache but this machine has "
+                             f"{human_bytes(ram)} of memory. Lower {knob}.")
     num_blocks = max(budget, 0) // per_block
     need = -(-max_model_len // block_size)
     if num_blocks < need:

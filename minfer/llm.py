@@ -70,20 +70,22 @@ class LLM:
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         engine = self.llm_engine
         ids = []
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(prompts), desc="Generating", disable=not use_tqdm)
         try:
             for p, sp in zip(prompts, params):
                 ids.append(engine.add_request(None, p, sp))
-        except ValueError:
-            engine.abort_request(ids)  # all or nothing: a bad prompt leaves no half-queued batch
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            # All or nothing: a bad prompt, an error in a step or a Ctrl-C leaves no request behind.
+            engine.abort_request(ids)
             raise
-        results: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    results[out.request_id] = out
-                    bar.update(1)
-        bar.close()
+        finally:
+            bar.close()
         return [results[i] for i in ids]
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
@@ -92,9 +94,10 @@ class LLM:
         Raises:
             ValueError: empty or malformed messages.
         """
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        if not convs:
-            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} objects "
+                             "(or a list of such lists)")
+        convs = [messages] if isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.encode_chat(c) for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+MAX_N = 128  # completions per request, as OpenAI's API allows (each is a sequence with its own KV)
+MAX_LOGPROBS = 20  # top logprobs per token, vLLM's default max_logprobs
 
 
 @dataclass
@@ -18,7 +20,7 @@ class SamplingParams:
     """Decoding options for one request.
 
     Args:
-        n: number of independent completions per prompt (>= 1).
+        n: number of independent completions per prompt, 1..128.
         temperature: softmax temperature (>= 0); 0 means exact greedy (argmax).
         top_k: keep the k most likely tokens; -1 (or 0) keeps all.
         top_p: keep the smallest set of tokens whose probability sums to >= top_p; in (0, 1].
@@ -28,8 +30,8 @@ class SamplingParams:
         stop: strings that end generation; the matched string is cut from the returned text.
         stop_token_ids: token ids that end generation (besides the model's EOS ids).
         ignore_eos: keep generating past EOS (benchmarks use it for fixed output lengths).
-        logprobs: return the log-probabilities of this many top tokens per step (plus the chosen one);
-            None returns none.
+        logprobs: return the log-probabilities of this many top tokens per step (0..20, plus the chosen
+            one); None returns none.
         include_stop_str_in_output: keep the matched stop string in the text.
 
     Raises:
@@ -55,6 +57,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple, type(None))):
+            raise ValueError(f"SamplingParams.stop must be a string or a list of strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
+            raise ValueError(f"SamplingParams.stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
@@ -65,10 +71,11 @@ class SamplingParams:
         def bad(name: str, allowed: str) -> ValueError:
             return ValueError(f"SamplingParams.{name} must be {allowed}, got {getattr(self, name)!r}")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", "an integer >= 1")
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            raise bad("temperature", "a number >= 0 (0 means greedy)")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"an integer in [1, {MAX_N}]")
+        if (not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool)
+                or not 0 <= self.temperature < float("inf")):
+            raise bad("temperature", "a finite number >= 0 (0 means greedy)")
         if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
             raise bad("top_k", "-1 (disabled) or an integer >= 1")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
@@ -77,13 +84,15 @@ class SamplingParams:
             raise bad("min_p", "in [0, 1]")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "an integer or None")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
+                                            or self.max_tokens < 1):
             raise bad("max_tokens", "an integer >= 1 or None")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise bad("logprobs", "an integer >= 0 or None")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad("logprobs", f"an integer in [0, {MAX_LOGPROBS}] or None")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop", "a non-empty string or a list of non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative integers")
 
     @property

@@ -39,6 +39,9 @@ class FakeTokenizer:
             out.append(" " + (_WORDS[i - 1] if 1 <= i <= len(_WORDS) else f"<t{i}>"))
         return "".join(out)
 
+    def encode_chat(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+
     def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")

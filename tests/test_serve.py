@@ -473,3 +473,15 @@ def test_benchmark_client_against_server(server, tmp_path):
     saved = json.loads(out.read_text())
     assert saved["completed"] == 4 and saved["total_input_tokens"] == 80
     _wait_all_blocks_free(server)
+
+
+def test_bad_stream_options_rejected_before_admission(server):
+    """A malformed stream_options is a 400, and no request is left running for nobody (found by fuzzing)."""
+    base = server
+    r = httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 50, "ignore_eos": True,
+                                                     "stream": True, "stream_options": "x"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
+    r = httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                          "response_format": "json"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+    _wait_all_blocks_free(base, timeout=2.0)

@@ -556,9 +556,10 @@ def run_all(settings: Settings, parts=PARTS, progress: bool = True) -> dict:
 def _strip_series(res: dict) -> dict:
     """The JSON keeps summaries and the per-request/per-gap lists, not step timelines."""
     out = json.loads(json.dumps(res, default=str))
-    for k in ("chunked", "whole"):
-        out.get("itl", {}).get(k, {}).pop("steps", None)
-    out.get("throughput", {}).get("engine", {}).pop("steps", None)
+    for d in (out.get("itl", {}).get("chunked", {}), out.get("itl", {}).get("whole", {}),
+              out.get("throughput", {}).get("engine", {})):
+        if isinstance(d.get("steps"), list):  # a recorded timeline (engine.steps is otherwise a count)
+            del d["steps"]
     return out
 
 

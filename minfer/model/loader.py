@@ -399,6 +399,14 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
         cfg, eos = hf_config(source.path)
         tensors = iter_safetensors(source.path)
         ckpt_dtype = cfg.torch_dtype
+    limit = cfg.max_position_embeddings
+    if (cfg.rope_scaling or {}).get("rope_type") in ("linear", "dynamic"):
+        limit = int(limit * cfg.rope_scaling.get("factor", 1.0))  # these scalings stretch the trained length
+    if max_model_len is not None and max_model_len > limit:
+        raise ValueError(
+            f"max_model_len={max_model_len} is longer than the model's limit ({limit} positions: "
+            f"max_position_embeddings, times the rope_scaling factor if any); positions beyond it were never "
+            "trained. Lower max_model_len, or load a checkpoint whose config extends the context.")
     torch_dtype = resolve_dtype(dtype, ckpt_dtype, device)
     max_positions = max(cfg.max_position_embeddings, max_model_len or 0)
     model_cls = MODEL_REGISTRY[cfg.architecture]

@@ -33,6 +33,13 @@ def _bytes(text: str) -> int:
     return int(float(m.group(1)) * scale)
 
 
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {port}")
+    return port
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m minfer.serve",
@@ -47,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--served-model-name", nargs="+", default=None, metavar="NAME",
       help="name(s) clients use in 'model' (default: the --model value)")
     a("--host", default="127.0.0.1", metavar="ADDR", help="address to listen on (default: 127.0.0.1)")
-    a("--port", type=int, default=8000, metavar="N", help="TCP port (default: 8000)")
+    a("--port", type=_port, default=8000, metavar="N", help="TCP port (default: 8000)")
     a("--api-key", default=os.environ.get("MINFER_API_KEY"), metavar="KEY",
       help="require 'Authorization: Bearer KEY' on /v1 routes (default: none; env MINFER_API_KEY)")
     a("--tensor-parallel-size", "-tp", type=int, metavar="N", default=d["tensor_parallel_size"],

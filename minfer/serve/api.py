@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 import anyio
+from starlette.concurrency import run_in_threadpool
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -434,7 +435,8 @@ def _reject_unsupported(body: dict, chat: bool) -> None:
               "best_of": lambda v: v not in (None, 1) and v != body.get("n", 1)}
     if chat:
         checks.update({"tools": nonzero, "functions": nonzero,
-                       "response_format": lambda v: v not in (None, {}) and (v or {}).get("type") != "text"})
+                       "response_format": lambda v: v not in (None, {}) and not (isinstance(v, dict)
+                                                                                   and v.get("type") == "text")})
     else:
         checks.update({"echo": nonzero, "suffix": nonzero})
     for name, is_set in checks.items():
@@ -466,6 +468,9 @@ def _sampling_params(body: dict, *, chat: bool) -> SamplingParams:
             raise APIError(400, f"{name} must be a boolean", param=name)
     if body.get("stream_options") is not None and not body.get("stream"):
         raise APIError(400, "stream_options can only be set when stream=true", param="stream_options")
+    if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
+        raise APIError(400, "stream_options must be an object such as {\"include_usage\": true}",
+                       param="stream_options")
     try:
         return SamplingParams(
             n=_get(body, "n", 1),
@@ -827,6 +832,14 @@ def build_app(engine, served_model_names: list[str] | str | None = None, api_key
         model = check_model(body)
         params = _sampling_params(body, chat=False)
         prompts = _prompts(body)
+
+        def tokenize() -> list:
+            return [engine.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+
+        try:  # off the engine thread: a megabyte of prompt text must not stall everyone's decoding
+            prompts = await run_in_threadpool(tokenize)
+        except Exception as exc:  # e.g. lone surrogates the tokenizer cannot encode
+            raise APIError(400, f"the prompt could not be tokenized: {exc}", param="prompt") from None
         return await run(request, body, prompts, params, chat=False, model=model, id_prefix="cmpl")
 
     @app.post("/v1/chat/completions")
@@ -836,7 +849,9 @@ def build_app(engine, served_model_names: list[str] | str | None = None, api_key
         params = _sampling_params(body, chat=True)
         messages = _normalize_messages(body.get("messages"))
         try:
-            prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            # Token ids, not text: the template already holds any BOS, and the engine would add another when
+            # it tokenized a string. Rendering and tokenizing run off the event loop and the engine thread.
+            prompt = await run_in_threadpool(engine.tokenizer.encode_chat, messages)
         except (ValueError, TypeError, KeyError) as exc:
             raise APIError(400, f"messages could not be rendered with the chat template: {exc}",
                            param="messages") from None

@@ -1,0 +1,98 @@
+"""Bad input gets a clear error and loses nothing (engine.py, llm.py, config.py, sampling_params.py).
+
+Each case found by trying to break minfer; after every failure no request is left queued and no KV block
+is held, and the next good request works.
+"""
+
+import pytest
+
+from minfer import SamplingParams
+from minfer.config import EngineArgs
+
+
+def assert_clean(llm):
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests() and engine.all_blocks_free()
+    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=3))[0]
+    assert len(out.outputs[0].token_ids) >= 1
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(n=10 ** 9), "n"), (dict(n=True), "n"), (dict(logprobs=10 ** 6), "logprobs"),
+    (dict(temperature=float("inf")), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(stop=5), "stop"), (dict(stop_token_ids=5), "stop_token_ids"), (dict(max_tokens=True), "max_tokens"),
+])
+def test_sampling_params_bounds(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(seed=None), "seed"), (dict(seed=2 ** 64), "seed"), (dict(block_size=16.0), "block_size"),
+    (dict(kv_cache_memory_bytes="64M"), "kv_cache_memory_bytes"), (dict(swap_space=float("nan")), "swap_space"),
+    (dict(max_num_seqs=1.5), "max_num_seqs"), (dict(gpu_memory_utilization="0.5"), "gpu_memory_utilization"),
+    (dict(max_model_len=0), "max_model_len"), (dict(tensor_parallel_size=2), "not built"),
+    (dict(kv_cache_dtype="fp8"), "not built"), (dict(quantization="awq"), "not built"),
+])
+def test_engine_args_checked_before_loading(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        EngineArgs(**kwargs)
+
+
+@pytest.mark.parametrize("prompt", [None, 3.5, b"bytes", [1, "2"], [True, 2], {"text": "x"}, [[1, 2]]])
+def test_bad_prompt_types(llm, prompt):
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([prompt], SamplingParams(max_tokens=2))
+    assert_clean(llm)
+
+
+def test_vllm_dict_prompts(llm):
+    ids = llm.tokenizer.encode("The capital of France is")
+    params = SamplingParams(temperature=0, max_tokens=4)
+    a = llm.generate([{"prompt": "The capital of France is"}], params)[0]
+    b = llm.generate([{"prompt_token_ids": ids}], params)[0]
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids and a.prompt_token_ids == ids
+
+
+def test_bad_sampling_params_object_queues_nothing(llm):
+    with pytest.raises(ValueError, match="SamplingParams"):
+        llm.generate(["a", "b"], [SamplingParams(max_tokens=2), {"temperature": 0}])
+    assert_clean(llm)
+
+
+def test_error_inside_a_step_leaves_nothing_behind(llm, monkeypatch):
+    runner = llm.llm_engine.runner
+
+    def boom(batch):
+        raise RuntimeError("simulated kernel failure")
+
+    monkeypatch.setattr(runner, "execute", boom)
+    with pytest.raises(RuntimeError, match="simulated"):
+        llm.generate(["one", "two"], SamplingParams(max_tokens=4))
+    monkeypatch.undo()
+    assert_clean(llm)
+
+
+def test_chat_needs_a_list(llm):
+    with pytest.raises(ValueError, match="non-empty list"):
+        llm.chat({"role": "user", "content": "hi"})
+    with pytest.raises(ValueError, match="messages"):
+        llm.chat([{"role": "user"}])
+    assert_clean(llm)
+
+
+def test_max_model_len_beyond_the_model(llm):
+    from minfer import LLM
+
+    with pytest.raises(ValueError, match=r"max_model_len=16384 is longer than the model's limit \(8192"):
+        LLM(max_model_len=16384)
+    with pytest.raises(ValueError, match="memory"):
+        LLM(max_model_len=256, kv_cache_memory_bytes=10 ** 15)
+
+
+def test_tokenizer_argument_is_used(tmp_path):
+    from minfer import LLM
+    from minfer.model.loader import ModelNotFoundError
+
+    with pytest.raises(ModelNotFoundError, match="nonexistent"):
+        LLM(max_model_len=256, kv_cache_memory_bytes=16 << 20, tokenizer=str(tmp_path / "nonexistent"))
