@@ -244,8 +244,6 @@ def run_throughput(llm=None, hf_model=None, settings: Settings | None = None, pr
     """Part 1. Builds the LLM (KV pool sized to hold every request at once) and the transformers model when
     not given."""
     s = settings or Settings.full()
-    from minfer.model.loader import find_default_gguf  # noqa: F401  (fail early if the model is missing)
-
     if llm is None:  # a pool that holds every request at its longest: no preemption in this part
         need = s.num_requests * (s.prompt_len[1] + s.output_len[1])
         llm = make_llm(max_model_len=s.prompt_len[1] + s.output_len[1] + 16,
@@ -329,7 +327,7 @@ def measure_itl(llm, num_decodes: int, long_prompt: list[int], tail_steps: int, 
     dec = [engine.add_request(f"dec{i}", [rng.randrange(100, vocab) for _ in range(decode_prompt_len)],
                               greedy(budget)) for i in range(num_decodes)]
     t0 = time.perf_counter()
-    steps, ntok = [], {}
+    steps = []
     def step():
         if record_steps:
             st = _timed_step(engine, t0)
@@ -475,7 +473,7 @@ def format_report(res: dict) -> str:
             rows.append((f"transformers static batching, B={st['static_batch_size']}", r["static"]))
         if "one_at_a_time" in r:
             o = r["one_at_a_time"]
-            rows.append((f"minfer simple path, one at a time (*)", o))
+            rows.append(("minfer simple path, one at a time (*)", o))
         for name, d in rows:
             lines.append(f"    {name:44s} {d['seconds']:9.1f} {d['output_tok_s']:10.1f} {d['total_tok_s']:12.1f}")
         if "one_at_a_time" in r and r["one_at_a_time"]["extrapolated"]:

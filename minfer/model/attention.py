@@ -201,8 +201,13 @@ class PagedTorchBackend(AttentionBackend):
         vals = kv[1][tables[:, :nblk]].flatten(1, 2)
         k_pos = torch.arange(keys.shape[1], device=q.device)
         q_pos = (lens - 1).view(b, 1)
-        mask = visibility_mask(q_pos, k_pos.expand(b, -1), layer.sliding_window)  # [B, 1, Lk]
-        mask &= (k_pos.view(1, -1) < lens.view(b, 1)).unsqueeze(1)
+        # The mask is the same for every layer with the same window: build it once per forward.
+        key = ("decode_mask", layer.sliding_window)
+        mask = ctx.extra.get(key)
+        if mask is None:
+            mask = visibility_mask(q_pos, k_pos.expand(b, -1), layer.sliding_window)  # [B, 1, Lk]
+            mask &= (k_pos.view(1, -1) < lens.view(b, 1)).unsqueeze(1)
+            ctx.extra[key] = mask
         if layer.alibi_slopes is not None:
             dist = (q_pos.view(b, 1, 1, 1) - k_pos.view(1, 1, 1, -1)).abs()
             bias = -layer.alibi_slopes.view(1, -1, 1, 1).to(q.device) * dist
