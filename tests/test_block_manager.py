@@ -303,7 +303,9 @@ def test_chunked_prefill_splits_a_long_prompt():
     long = make_seq(range(50))
     s.add(long)
     chunks = []
-    while not long.output_token_ids:
+    for _ in range(10):  # bounded: a scheduler bug fails here instead of hanging
+        if long.output_token_ids:
+            break
         batch = step(s)
         chunks.append(batch.num_new_tokens[0])
     assert chunks == [16, 16, 16, 2]

@@ -101,8 +101,13 @@ class TiedEmbedding(nn.Module):
         super().__init__()
         self.lm_head = [lm_head]  # a list, so the head is not registered (and loaded) twice
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The table as `nn.Embedding` would show it, `[vocab, hidden]` (a view of the head's weight)."""
+        return self.lm_head[0].weight.t()
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.lm_head[0].weight.t()[ids]
+        return self.weight[ids]
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -255,7 +255,7 @@ def iter_gguf(reader, cfg: ModelConfig, arch: str) -> Iterator[tuple[str, torch.
             if base not in _GGUF_NAMES:
                 continue  # e.g. rope_freqs: derived from the config instead
             name = f"{_GGUF_NAMES[base]}.{kind}"
-        w = torch.from_numpy(np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32))
+        w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # own, writable copy
         if arch == "llama" and parts[0] == "blk" and base in ("attn_q", "attn_k"):
             w = _unpermute_rope(w, cfg.num_attention_heads if base == "attn_q" else cfg.num_key_value_heads)
         yield name, w
