@@ -13,7 +13,7 @@ import pytest
 import torch
 
 
-from minfer.kernels import flash_attn_varlen  # noqa: E402
+from minfer.kernels.flash_attention import flash_attn_varlen  # noqa: E402
 from minfer.kernels.reference import attention_reference, flash_attn_varlen_reference  # noqa: E402
 
 from minfer.kernels import interpreter_active  # noqa: E402

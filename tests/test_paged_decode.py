@@ -8,8 +8,8 @@ import pytest
 import torch
 
 
-from minfer.kernels import (combine_splits, flash_attn_varlen, paged_attention_decode,  # noqa: E402
-                            paged_decode_splits, store_kvcache)
+from minfer.kernels import flash_attn_varlen, store_kvcache  # noqa: E402
+from minfer.kernels.paged_decode import combine_splits, paged_attention_decode, paged_decode_splits  # noqa: E402
 from minfer.kernels.reference import (attention_reference, paged_attention_decode_reference,  # noqa: E402
                                       store_kvcache_reference)
 

@@ -13,6 +13,7 @@ The Triton backend (chapter 4) lives in `minfer.kernels.backend` and plugs into 
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, field
 
 import torch
@@ -78,11 +79,12 @@ class Attention(nn.Module):
         return ctx.attn_backend.forward(self, q, k, v, ctx)
 
 
-class AttentionBackend:
+class AttentionBackend(abc.ABC):
     """Interface: store the new k/v of `layer` and return attention output `[T, H, D]`."""
 
-    def forward(self, layer: Attention, q, k, v, ctx: ForwardContext) -> torch.Tensor:  # pragma: no cover
-        raise NotImplementedError
+    @abc.abstractmethod
+    def forward(self, layer: Attention, q, k, v, ctx: ForwardContext) -> torch.Tensor:
+        """q `[T, H, D]`, k/v `[T, KVH, D]` of this forward's tokens -> attention output `[T, H, D]`."""
 
 
 def visibility_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
