@@ -12,10 +12,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -28,17 +26,12 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parents[1]
 
 from tests.fake_engine import FakeEngine  # noqa: E402
+from tests.serving import running_server  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 MAX_MODEL_LEN = 512
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict:
@@ -47,38 +40,10 @@ def _env() -> dict:
 
 @pytest.fixture(scope="module")
 def server():
-    """The real server, real model: yields its base URL; killed at the end."""
-    port = _free_port()
-    log = tempfile.NamedTemporaryFile(prefix="minfer-serve-test-", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", "minfer.serve", "--host", "127.0.0.1", "--port", str(port),
-           "--max-model-len", str(MAX_MODEL_LEN), "--disable-log-requests", "--uvicorn-log-level", "warning"]
-    if os.environ.get("MINFER_TEST_FAKE_ENGINE"):  # developing the server without the engine
-        cmd = [sys.executable, str(ROOT / "tests" / "fake_engine.py"), str(port), MODEL, str(MAX_MODEL_LEN)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode}:\n{Path(log.name).read_text()[-4000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.time() > deadline:
-            proc.kill()
-            pytest.fail(f"server not healthy after 180 s:\n{Path(log.name).read_text()[-4000:]}")
-        time.sleep(0.25)
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    text = Path(log.name).read_text()
-    assert "Traceback" not in text, text[-4000:]
-    os.unlink(log.name)
+    """The real server, real model: yields its base URL; stopped at the end (no traceback allowed in its log)."""
+    with running_server(["--max-model-len", str(MAX_MODEL_LEN), "--disable-log-requests",
+                         "--uvicorn-log-level", "warning"], fake_engine_args=[MODEL, str(MAX_MODEL_LEN)]) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -13,17 +13,13 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
-import subprocess
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.serving import running_server
+
 CHROMIUM = os.environ.get("MINFER_CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("MINFER_CHROMEDRIVER", "/usr/bin/chromedriver")
 
@@ -42,47 +38,14 @@ def _missing() -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server_url():
     reason = _missing()
     if reason:
         pytest.skip(reason)
-    port = _free_port()
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    if os.environ.get("MINFER_TEST_FAKE_ENGINE"):
-        cmd = [sys.executable, str(ROOT / "tests" / "fake_engine.py"), str(port)]
-    else:
-        cmd = [sys.executable, "-m", "minfer.serve", "--host", "127.0.0.1", "--port", str(port),
-               "--max-model-len", "512", "--disable-log-requests", "--uvicorn-log-level", "warning"]
-    log = tempfile.NamedTemporaryFile(prefix="minfer-browser-server-", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode}:\n{Path(log.name).read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.time() > deadline:
-            proc.kill()
-            pytest.fail("server did not become healthy in 180 s")
-        time.sleep(0.3)
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    os.unlink(log.name)
+    with running_server(["--max-model-len", "512", "--disable-log-requests", "--uvicorn-log-level", "warning"],
+                        check_log=False) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,68 @@
+"""Start `python -m minfer.serve` (or the fake engine) as a subprocess on a free loopback port, for tests."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(args: list[str], fake_engine_args: list[str] | None = None, timeout: float = 180,
+                   check_log: bool = True):
+    """Yield the base URL of a healthy server started with `args`; stop it afterwards.
+
+    With MINFER_TEST_FAKE_ENGINE set, `tests/fake_engine.py` runs instead (server development without a
+    model). `check_log` fails the test if the server logged a traceback.
+    """
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if os.environ.get("MINFER_TEST_FAKE_ENGINE"):
+        cmd = [sys.executable, str(ROOT / "tests" / "fake_engine.py"), str(port), *(fake_engine_args or [])]
+    else:
+        cmd = [sys.executable, "-m", "minfer.serve", "--host", "127.0.0.1", "--port", str(port), *args]
+    log = tempfile.NamedTemporaryFile(prefix="minfer-serve-test-", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + timeout
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode}:\n{Path(log.name).read_text()[-4000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"server not healthy after {timeout} s:\n{Path(log.name).read_text()[-4000:]}")
+        time.sleep(0.25)
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    text = Path(log.name).read_text()
+    os.unlink(log.name)
+    if check_log:
+        assert "Traceback" not in text, text[-4000:]
