@@ -165,13 +165,13 @@ def _fused_rms_norm_forward(self, x: torch.Tensor, residual: torch.Tensor | None
     return fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
-def _fused_rotary_forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+def _fused_rotary_forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin=None):
     """RotaryEmbedding.forward with the in-place Triton kernel (falls back to torch where it cannot run)."""
-    cos, sin = self.cos_sin_for(positions)
+    cos, sin = cos_sin if cos_sin is not None else self.cos_sin_for(positions)
     usable = (cos.shape[-1] * 2 == q.shape[-1] and q.stride(-1) == 1 and k.stride(-1) == 1
               and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)))
     if not usable:
-        return type(self).forward(self, positions, q, k)
+        return type(self).forward(self, positions, q, k, (cos, sin))
     # In place: q and k are fresh views of this layer's qkv projection, read by nothing else.
     return apply_rotary_(q, k, cos.contiguous(), sin.contiguous())
 

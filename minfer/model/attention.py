@@ -179,9 +179,11 @@ class PagedTorchBackend(AttentionBackend):
         kv = self.kv_caches[layer.layer_idx]
         self.store(kv, k, v, ctx.slot_mapping)
         out = torch.empty_like(q)
-        for i in range(ctx.num_prefills):
-            q0, q1 = int(ctx.cu_seqlens_q[i]), int(ctx.cu_seqlens_q[i + 1])
-            n = int(ctx.context_lens[i])
+        bounds = ctx.extra.get("prefill_bounds")
+        if bounds is None:  # host-side offsets, read once per forward rather than once per layer
+            cu, lens = ctx.cu_seqlens_q.tolist(), ctx.context_lens[:ctx.num_prefills].tolist()
+            bounds = ctx.extra["prefill_bounds"] = [(cu[i], cu[i + 1], lens[i]) for i in range(ctx.num_prefills)]
+        for i, (q0, q1, n) in enumerate(bounds):
             if n == q1 - q0:  # a whole prompt, nothing cached before it: its keys are the new ones
                 keys, vals = k[q0:q1], v[q0:q1]
             else:  # a later chunk or a prefix-cache hit: earlier keys come from the pool

@@ -49,7 +49,7 @@ class LlamaAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(ctx.positions, q, k)
+        q, k = rotary(ctx.positions, q, k, ctx.extra.get("rope_cos_sin"))
         out = self.attn(q, k, v, ctx)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
@@ -85,6 +85,8 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
+        # cos/sin of this forward's positions: gathered once here, not once per layer.
+        ctx.extra["rope_cos_sin"] = self.rotary_emb.cos_sin_for(ctx.positions)
         for layer in self.layers:
             x, residual = layer(x, residual, self.rotary_emb, ctx)
         x, _ = self.norm(x, residual)

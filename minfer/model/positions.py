@@ -133,9 +133,12 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"position {int(positions.max())} beyond the RoPE table ({self.cos_sin.shape[1]})")
         return self.cos_sin[0][positions], self.cos_sin[1][positions]
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """Rotate q `[T, H, D]` and k `[T, KVH, D]`; returns new tensors in q's dtype."""
-        cos, sin = self.cos_sin_for(positions)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin=None):
+        """Rotate q `[T, H, D]` and k `[T, KVH, D]`; returns new tensors in q's dtype.
+
+        `cos_sin`: this forward's `cos_sin_for(positions)`, computed once by the model for all its layers.
+        """
+        cos, sin = cos_sin if cos_sin is not None else self.cos_sin_for(positions)
         return (rotate_half_(q.float(), cos, sin).to(q.dtype), rotate_half_(k.float(), cos, sin).to(k.dtype))
 
 
