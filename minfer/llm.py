@@ -114,10 +114,10 @@ class LLM:
         validate_prompt(ids, params, engine.max_model_len, engine.hf_config.vocab_size)
         if self._simple is None:
             self._simple = SimpleGenerator(engine.model, Sampler(engine.generator))
-        outs, timings = [], GenerationTimings()
+        outs, timings = [], []
         for i in range(params.n):
             seq = Sequence("simple", i, ids, params, self.tokenizer, engine.max_model_len, engine.device)
-            t = self._simple.generate(seq, on_token)
+            timings.append(self._simple.generate(seq, on_token))
             outs.append(seq.to_output())
-            timings = t if i == 0 else timings
-        return RequestOutput("simple", prompt if isinstance(prompt, str) else None, ids, outs, finished=True), timings
+        out = RequestOutput("simple", prompt if isinstance(prompt, str) else None, ids, outs, finished=True)
+        return out, timings[0]  # the first completion's timings
