@@ -8,4 +8,4 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see minfer/__init__.py
+import minfer  # noqa: E402,F401  (sets the OpenMP spin policy before torch loads; see minfer/__init__.py)

