@@ -129,8 +129,6 @@ class ModelRunner:
             max_seqlen_k=int(context_lens[:num_prefills].max()) if num_prefills else 0,
             slot_mapping=slots.to(dev), block_tables=tables.to(dev), context_lens=context_lens.to(torch.int32).to(dev),
             logits_indices=logits_indices.to(dev))
-        if num_prefills < len(seqs):
-            ctx.extra["max_decode_context"] = int(context_lens[num_prefills:].max())
         return torch.tensor(ids, dtype=torch.long, device=dev), ctx, sample_rows
 
     @torch.inference_mode()
