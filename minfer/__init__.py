@@ -4,17 +4,31 @@ The public surface is vLLM's offline API: `LLM`, `SamplingParams`, `RequestOutpu
 """
 
 import os
+import sys
 
-# How long an OpenMP thread spins at a barrier before it sleeps (libgomp's GOMP_SPINCOUNT, in spin iterations;
-# about 10-50 us here). Long enough that the two threads of a decode step stay awake across the short gaps
-# between its matmuls (sleeping and waking them costs more than a small matmul: measured 1.5x slower
-# decode); short enough that a thread whose partner is descheduled (a server's HTTP threads, a benchmark
-# client or a notebook sharing the cores) soon yields its core instead of spinning for its whole time slice
-# (libgomp's default spins 30x longer: measured up to 5x slower decode on a busy 2-core machine).
-# Read once, when torch loads its OpenMP runtime, so it must be set before `import torch`. A user's own
-# OMP_WAIT_POLICY (PASSIVE is the safer choice on a crowded machine) or GOMP_SPINCOUNT wins.
-if "OMP_WAIT_POLICY" not in os.environ:
-    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+# How an OpenMP thread waits at a barrier. Read once, when torch loads its OpenMP runtime, so it must be set
+# before `import torch`; a user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
+#
+# Offline (LLM, notebooks, benchmarks): spin for GOMP_SPINCOUNT=10000 iterations (about 10-50 us here), then
+# sleep. The two threads of a decode step's split matmuls (minfer/model/layers.py) stay awake across the
+# short gaps between matmuls; sleeping and waking them costs more than a small matmul (measured: 1.5x slower
+# decode). libgomp's default spins 30x longer, which wastes whole time slices when another process needs
+# the core (measured: up to 5x slower decode on a busy 2-core machine).
+#
+# The server (`python -m minfer.serve`) always shares its cores: with its HTTP threads and, in benchmarks,
+# with its clients. There a waiting thread sleeps at once (PASSIVE): measured on 2 cores with 32 streaming
+# clients, 117 vs 110 output tok/s.
+#
+# MINFER_OMP_DEFAULT names the variable minfer itself set, so that a process started from this one (a test
+# or a benchmark starting the server) chooses again instead of inheriting the choice as if it were the user's.
+for _name in os.environ.pop("MINFER_OMP_DEFAULT", "").split(","):
+    if _name:
+        os.environ.pop(_name, None)
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    _name, _value = (("OMP_WAIT_POLICY", "PASSIVE") if "minfer.serve" in getattr(sys, "orig_argv", ())
+                     else ("GOMP_SPINCOUNT", "10000"))
+    os.environ[_name] = _value
+    os.environ["MINFER_OMP_DEFAULT"] = _name
 
 if "TRITON_INTERPRET" not in os.environ:
     # Triton reads this when it is first imported (transformers may import it before minfer.kernels does):

@@ -55,7 +55,7 @@ class Linear(nn.Module):
 
     Why repack: at batch 1 a decode step is one matrix-vector product per weight matrix, bound by how fast
     the weights stream from memory, and two facts about these CPUs decide the layout (measured per SmolLM2
-    shape by `python benchmarks/gemv_layouts.py`; figures in `assets/benchmarks/gemv_layouts_cpu_2threads.json`):
+    shape by `python -m minfer.bench gemv`; figures in `assets/benchmarks/gemv_cpu_2threads.json`):
 
     1. MKL's matrix-vector product streams a matrix fastest along long contiguous rows. So the weight is
        stored with its LONGER side contiguous: `[in, out]` (y = x @ W, "K-major") when out >= in (q|k|v,
