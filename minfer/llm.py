@@ -60,11 +60,19 @@ class LLM:
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate for one prompt or a list (strings or token-id lists). Returns outputs in prompt order.
 
+        A prompt is a string, a list of token ids, or a dict with `"prompt"` or `"prompt_token_ids"` (vLLM's
+        prompt dicts); `prompts` is one prompt or a list of them.
+
         Raises:
             ValueError: a bad prompt (too long, empty, ...) — raised before anything is queued.
+            TypeError: `prompts` is none of the forms above.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError("prompts must be a string, a list of token ids, a dict with 'prompt' or "
+                            f"'prompt_token_ids', or a list of these; got {type(prompts).__name__}")
+        prompts = list(prompts)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")

@@ -104,7 +104,9 @@ class Scheduler:
         # 2. swapped sequences come back before new requests (FCFS), and not in a step that preempted.
         while self.swapped and not batch.num_preempted and budget > 0 and len(batch.seqs) < self.max_num_seqs:
             seq = self.swapped[0]
-            n = len(seq) - seq.num_computed_tokens
+            want = len(seq) - seq.num_computed_tokens
+            # A sequence swapped out in the middle of a chunked prefill resumes it chunk by chunk.
+            n = min(want, budget) if (self.chunked or want == 1) else want
             if n > budget or not self.bm.can_swap_in(seq, n):
                 break
             self.swapped.popleft()

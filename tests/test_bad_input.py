@@ -52,6 +52,16 @@ def test_vllm_dict_prompts(llm):
     a = llm.generate([{"prompt": "The capital of France is"}], params)[0]
     b = llm.generate([{"prompt_token_ids": ids}], params)[0]
     assert a.outputs[0].token_ids == b.outputs[0].token_ids and a.prompt_token_ids == ids
+    # One dict on its own is one prompt, not a list of its keys.
+    c = llm.generate({"prompt": "The capital of France is"}, params)
+    assert len(c) == 1 and c[0].prompt_token_ids == ids and c[0].outputs[0].token_ids == a.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("prompts", [None, 5, b"bytes", 3.5])
+def test_prompts_argument_of_the_wrong_type(llm, prompts):
+    with pytest.raises(TypeError, match="prompts must be"):
+        llm.generate(prompts, SamplingParams(max_tokens=2))
+    assert_clean(llm)
 
 
 def test_bad_sampling_params_object_queues_nothing(llm):

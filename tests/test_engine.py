@@ -139,3 +139,40 @@ def test_stats_fields(llm):
     m = out.metrics
     assert m.ttft is not None and m.ttft > 0 and len(m.token_times) == len(out.outputs[0].token_ids)
     assert m.tpot is not None and len(m.itl) == len(m.token_times) - 1
+
+
+def test_swapped_out_mid_chunked_prefill_resumes_in_chunks(llm):
+    """A prompt swapped out half-prefilled comes back and finishes its prefill in budget-sized chunks.
+
+    Pool: 13 blocks of 16 = 208 tokens. A (40 + 24 tokens) decodes while B's 190-token prompt is prefilled in
+    chunks of 32; the pool runs out, B (the newest) is swapped out with part of its prompt computed, and its
+    remaining prompt is longer than one step's budget.
+    """
+    import random
+
+    rng = random.Random(1)
+    a = [rng.randrange(100, 20000) for _ in range(40)]
+    b = [rng.randrange(100, 20000) for _ in range(190)]
+    pa = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    pb = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = [llm.generate_simple(p, sp)[0].outputs[0].token_ids for p, sp in ((a, pa), (b, pb))]
+    small = LLM(max_model_len=208, seed=0, kv_cache_memory_bytes=13 * 16 * 46080, swap_space=0.02,
+                enable_chunked_prefill=True, max_num_batched_tokens=32)
+    engine = small.llm_engine
+    ra = engine.add_request(None, a, pa)
+    while engine.requests[ra].seqs[0].num_computed_tokens < len(a):
+        engine.step()
+    rb = engine.add_request(None, b, pb)
+    outs, swapped_mid_prefill, steps = {}, False, 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        assert steps < 400, "no progress"
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o.outputs[0].token_ids
+        seq_b = engine.requests[rb].seqs[0] if rb in engine.requests else None
+        if seq_b is not None and engine.stats().num_swapped and seq_b.num_computed_tokens < len(b) - 32:
+            swapped_mid_prefill = True
+    assert swapped_mid_prefill, "the scenario did not swap B out in the middle of its prefill"
+    assert [outs[ra], outs[rb]] == want
+    assert engine.all_blocks_free()
