@@ -21,9 +21,9 @@ import sys
 #
 # MINFER_OMP_DEFAULT names the variable minfer itself set, so that a process started from this one (a test
 # or a benchmark starting the server) chooses again instead of inheriting the choice as if it were the user's.
-for _name in os.environ.pop("MINFER_OMP_DEFAULT", "").split(","):
-    if _name:
-        os.environ.pop(_name, None)
+_inherited = os.environ.pop("MINFER_OMP_DEFAULT", None)
+if _inherited:
+    os.environ.pop(_inherited, None)
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     _name, _value = (("OMP_WAIT_POLICY", "PASSIVE") if "minfer.serve" in getattr(sys, "orig_argv", ())
                      else ("GOMP_SPINCOUNT", "10000"))

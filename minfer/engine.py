@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from dataclasses import dataclass
 
@@ -21,6 +20,7 @@ import torch
 from minfer.block_manager import BlockManager
 from minfer.config import EngineArgs
 from minfer.kv_cache import KVCachePool, bytes_per_block, determine_num_blocks
+from minfer.memory import physical_memory_bytes
 from minfer.model.attention import ForwardContext, PagedTorchBackend
 from minfer.model.loader import load_model, resolve_model
 from minfer.outputs import RequestMetrics, RequestOutput
@@ -180,7 +180,7 @@ class LLMEngine:
                                           args.gpu_memory_utilization, max_len)
         per_block = bytes_per_block(cfg, args.block_size, loaded.dtype)
         num_cpu_blocks = int(args.swap_space * (1 << 30)) // per_block
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        ram = physical_memory_bytes()
         if args.swap_space * (1 << 30) > ram:
             raise ValueError(f"swap_space={args.swap_space} GiB is more than this machine's memory "
                              f"({ram / (1 << 30):.1f} GiB); lower swap_space")

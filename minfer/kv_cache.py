@@ -6,12 +6,10 @@ once at start-up; the block manager hands out block ids and the attention backen
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from minfer.config import ModelConfig
-from minfer.memory import human_bytes
+from minfer.memory import human_bytes, physical_memory_bytes
 
 CPU_DEFAULT_KV_BYTES = 1 << 30  # on a CPU, 1 GiB of KV unless kv_cache_memory_bytes says otherwise
 
@@ -53,7 +51,7 @@ def determine_num_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype, 
     else:
         budget, knob = CPU_DEFAULT_KV_BYTES, "kv_cache_memory_bytes"
     if device.type == "cpu":
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        ram = physical_memory_bytes()
         if budget > ram:
             raise ValueError(f"{knob} asks for {human_bytes(budget)} of KV cache but this machine has "
                              f"{human_bytes(ram)} of memory. Lower {knob}.")

@@ -8,6 +8,7 @@ tensors minfer actually allocates.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -99,6 +100,11 @@ def weight_bytes(model: torch.nn.Module) -> int:
         seen.add(t.data_ptr())
         total += t.numel() * t.element_size()
     return total
+
+
+def physical_memory_bytes() -> int:
+    """Bytes of RAM on this machine (what a CPU KV pool or swap space must fit in)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def human_bytes(n: float) -> str:

@@ -17,16 +17,13 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from minfer.bench import best_time
+
 
 def measure_read_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
     """Bytes/s of a streaming read (a sum over a tensor much larger than the caches), best of `repeats`."""
     x = torch.ones(nbytes // 4, dtype=torch.float32)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return nbytes / best
+    return nbytes / best_time(x.sum, repeats)
 
 
 def run(model: str = "smollm2-135m-instruct", new_tokens: int = 64, repeats: int = 3, threads: int | None = None,

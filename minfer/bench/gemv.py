@@ -16,24 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 
+from minfer.bench import best_time
 from minfer.model.layers import Linear
 
 SHAPES = {"q|k|v": (576, 960), "o_proj": (576, 576), "gate|up": (576, 3072), "down_proj": (1536, 576),
           "lm_head": (576, 49152)}
-
-
-def _best_time(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 @torch.inference_mode()
@@ -48,7 +38,7 @@ def measure(in_f: int, out_f: int, splits: int, copies: int = 30, repeats: int =
             lin.process_weights_after_loading(splits)
         layers.append(lin)
     x = torch.randn(1, in_f)
-    t = _best_time(lambda: [lin(x) for lin in layers], repeats)
+    t = best_time(lambda: [lin(x) for lin in layers], repeats)
     return copies * in_f * out_f * 4 / t / 1e9
 
 

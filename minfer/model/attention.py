@@ -219,10 +219,10 @@ class PagedTorchBackend(AttentionBackend):
             order_t = torch.tensor(order, device=lens.device)
             groups = []
             for start in range(0, len(order), self.DECODE_GROUP):
-                rows = order_t[start:start + self.DECODE_GROUP]
-                nblk = (host_lens[order[min(start + self.DECODE_GROUP, len(order)) - 1]] + block_size - 1) // block_size
-                groups.append(_DecodeGroup(start, start + rows.numel(), tables[rows, :nblk].flatten(), nblk * block_size,
-                                           lens[rows]))
+                end = min(start + self.DECODE_GROUP, len(order))
+                rows = order_t[start:end]
+                nblk = -(-host_lens[order[end - 1]] // block_size)  # the group's last row is its longest
+                groups.append(_DecodeGroup(start, end, tables[rows, :nblk].flatten(), nblk * block_size, lens[rows]))
             plan = ctx.extra["decode_plan"] = _DecodePlan(order_t, torch.argsort(order_t), groups)
         return plan
 

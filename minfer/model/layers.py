@@ -77,7 +77,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(self.out_features)) if bias else None
         self.splits = 0  # 0: nn.Linear layout; >= 1: repacked into this many column slices
-        self.k_major = False
+        self.k_major = self.out_features >= in_features  # the repacked layout: [in, out] slices, else [out, in]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[..., in_features]` -> `[..., out_features]`, in x's dtype."""
@@ -103,7 +103,6 @@ class Linear(nn.Module):
         if self.splits:
             raise RuntimeError("Linear weights are already repacked")
         splits = splits if splits >= 1 and self.out_features % splits == 0 else 1
-        self.k_major = self.out_features >= self.in_features
         w = self.weight.data.view(splits, self.out_features // splits, self.in_features)  # [S, out/S, in]
         self.weight = nn.Parameter((w.transpose(1, 2) if self.k_major else w).contiguous(), requires_grad=False)
         self.splits = splits
@@ -125,17 +124,12 @@ class Linear(nn.Module):
         default_weight_loader(param.data.narrow(0, start, size), loaded)
 
 
-def cpu_gemv_splits(device: torch.device | str) -> int:
-    """How many column slices `Linear` should use on `device`: torch's thread count on CPU, 1 elsewhere."""
-    return max(1, torch.get_num_threads()) if torch.device(device).type == "cpu" else 1
-
-
 def process_weights_after_loading(model: nn.Module) -> None:
-    """Repack every `Linear` of a freshly loaded model for fast CPU decode (a no-op on GPUs)."""
-    device = next(model.parameters()).device
-    if device.type != "cpu":
+    """Repack every `Linear` of a freshly loaded model for fast CPU decode, one column slice per torch thread
+    (a no-op on GPUs)."""
+    if next(model.parameters()).device.type != "cpu":
         return
-    splits = cpu_gemv_splits(device)
+    splits = max(1, torch.get_num_threads())
     for module in model.modules():
         if isinstance(module, Linear):
             module.process_weights_after_loading(splits)
