@@ -253,7 +253,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        text, ids = self._prompt_ids(prompt)
+        text, ids = self.tokenize_prompt(prompt)
         validate_prompt(ids, params, self.max_model_len, self.hf_config.vocab_size)
         total = len(ids) + (params.max_tokens or self.max_model_len - len(ids))
         need = self.block_manager.blocks_needed(min(total, self.max_model_len))
@@ -270,12 +270,14 @@ class LLMEngine:
             self.scheduler.add(s)
         return request_id
 
-    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+    def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt: a string, a list of token ids, or vLLM's dict forms
-        {"prompt": str} / {"prompt_token_ids": [int]}. Raises ValueError for anything else."""
+        {"prompt": str} / {"prompt_token_ids": [int]} (with both, the ids are used and the text kept).
+        Raises ValueError for anything else."""
         if isinstance(prompt, dict):
             if isinstance(prompt.get("prompt_token_ids"), (list, tuple)):
-                prompt = prompt["prompt_token_ids"]
+                text = prompt.get("prompt") if isinstance(prompt.get("prompt"), str) else None
+                return text, self.tokenize_prompt(prompt["prompt_token_ids"])[1]
             elif isinstance(prompt.get("prompt"), str):
                 prompt = prompt["prompt"]
             else:

@@ -67,7 +67,8 @@ class LLM:
             ValueError: a bad prompt (too long, empty, ...) — raised before anything is queued.
             TypeError: `prompts` is none of the forms above.
         """
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                               and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise TypeError("prompts must be a string, a list of token ids, a dict with 'prompt' or "
@@ -110,7 +111,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     # -- the simple path (chapter 1) --------------------------------------------------------------------
-    def generate_simple(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+    def generate_simple(self, prompt: str | list[int] | dict, sampling_params: SamplingParams | None = None,
                         on_token=None) -> tuple[RequestOutput, GenerationTimings]:
         """One request through the simple prefill/decode path with a contiguous KV cache.
 
@@ -118,7 +119,7 @@ class LLM:
         """
         engine = self.llm_engine
         params = (sampling_params or SamplingParams()).clone(_eos_token_ids=tuple(self.tokenizer.eos_token_ids))
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        text, ids = engine.tokenize_prompt(prompt)
         validate_prompt(ids, params, engine.max_model_len, engine.hf_config.vocab_size)
         if self._simple is None:
             self._simple = SimpleGenerator(engine.model, Sampler(engine.generator))
@@ -127,5 +128,5 @@ class LLM:
             seq = Sequence("simple", i, ids, params, self.tokenizer, engine.max_model_len, engine.device)
             timings.append(self._simple.generate(seq, on_token))
             outs.append(seq.to_output())
-        out = RequestOutput("simple", prompt if isinstance(prompt, str) else None, ids, outs, finished=True)
+        out = RequestOutput("simple", text, ids, outs, finished=True)
         return out, timings[0]  # the first completion's timings

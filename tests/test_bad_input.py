@@ -55,6 +55,14 @@ def test_vllm_dict_prompts(llm):
     # One dict on its own is one prompt, not a list of its keys.
     c = llm.generate({"prompt": "The capital of France is"}, params)
     assert len(c) == 1 and c[0].prompt_token_ids == ids and c[0].outputs[0].token_ids == a.outputs[0].token_ids
+    # A tuple of ids is one prompt like a list; a dict with both keys runs the ids and keeps the text.
+    d = llm.generate(tuple(ids), params)
+    e = llm.generate({"prompt": "The capital of France is", "prompt_token_ids": ids}, params)[0]
+    assert len(d) == 1 and d[0].outputs[0].token_ids == a.outputs[0].token_ids
+    assert e.prompt == "The capital of France is" and e.outputs[0].token_ids == a.outputs[0].token_ids
+    # The simple path takes the same prompt forms.
+    f, _ = llm.generate_simple({"prompt_token_ids": ids}, params)
+    assert f.outputs[0].token_ids == a.outputs[0].token_ids
 
 
 @pytest.mark.parametrize("prompts", [None, 5, b"bytes", 3.5])
