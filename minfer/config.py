@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 # Features that have a flag but no implementation yet: starting with them set stops with this message,
 # so that no flag is silently ignored.
@@ -35,7 +36,10 @@ class EngineArgs:
         enable_chunked_prefill: split long prompts into chunks that share steps with decodes.
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes across requests.
         preemption_mode: "recompute" or "swap" (swap needs swap_space > 0).
-        attention_backend: "torch" (reference) or "triton" (FlashAttention + paged decode kernels).
+        attention_backend: "auto" (default: "cpu" for a float32 model on the CPU when its C++ kernel builds,
+            else "torch"), "torch" (the plain-torch reference), "cpu" (decode attention by the C++ kernel of
+            `minfer.model.paged_attention_cpu`; an error where it cannot be built) or "triton"
+            (FlashAttention + paged decode kernels).
         enforce_eager: accepted for vLLM compatibility; minfer always runs eagerly.
         tensor_parallel_size, pipeline_parallel_size, quantization, kv_cache_dtype: later chapters.
     """
@@ -54,7 +58,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = False
     enable_prefix_caching: bool = False
     preemption_mode: str | None = None
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"
     enforce_eager: bool = True
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -107,8 +111,8 @@ class EngineArgs:
             raise bad("preemption_mode", "'recompute' or 'swap'")
         if self.preemption_mode == "swap" and self.swap_space <= 0:
             raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of CPU memory for swapped KV)")
-        if self.attention_backend not in ("torch", "triton"):
-            raise bad("attention_backend", "'torch' or 'triton'")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise bad("attention_backend", "one of " + ", ".join(map(repr, ATTENTION_BACKENDS)))
         if self.tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} {_NOT_BUILT}")
         if self.pipeline_parallel_size != 1:

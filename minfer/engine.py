@@ -202,20 +202,33 @@ class LLMEngine:
         self._ids = itertools.count()
         self._prompt_tokens = self._gen_tokens = self._steps = 0
         self._sched_time = self._fwd_time = 0.0
-        logger.info("loaded %s (%s) in %.1fs; KV pool %d blocks x %d tokens = %d tokens, %d bytes",
+        logger.info("loaded %s (%s) in %.1fs; KV pool %d blocks x %d tokens = %d tokens, %d bytes; attention %s",
                     args.model, loaded.dtype, time.perf_counter() - t0, num_blocks, args.block_size,
-                    num_blocks * args.block_size, self.pool.nbytes)
+                    num_blocks * args.block_size, self.pool.nbytes, type(backend).__name__)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         return cls(args)
 
     def _make_backend(self, name: str):
+        """The attention backend for `attention_backend=name` (see EngineArgs); "auto" picks the C++ decode
+        kernel for a float32 pool on the CPU and falls back to the torch reference, with a warning, when the
+        kernel cannot be built. Raises ValueError for "cpu" where it cannot run."""
         if name == "triton":
             from minfer.kernels.backend import TritonBackend, install_fused_ops
 
             install_fused_ops(self.model)  # RMSNorm, SiLU-and-mul, RoPE -> fused kernels (this model only)
             return TritonBackend(self.pool.layers)
+        cpu_f32 = self.device.type == "cpu" and self.model_config.dtype == torch.float32
+        if name == "cpu" or (name == "auto" and cpu_f32):
+            from minfer.model.paged_attention_cpu import CpuKernelUnavailable, CpuPagedBackend
+
+            try:
+                return CpuPagedBackend(self.pool.layers)
+            except CpuKernelUnavailable as e:
+                if name == "cpu":
+                    raise ValueError(f"attention_backend='cpu' cannot run here: {e}") from e
+                logger.warning("the C++ decode-attention kernel is unavailable (%s); using the torch reference", e)
         return PagedTorchBackend(self.pool.layers)
 
     def _profile_forward(self, num_tokens: int) -> None:

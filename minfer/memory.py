@@ -95,9 +95,10 @@ def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of all parameters and buffers that a forward pass reads (tied weights counted once)."""
     seen, total = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
-        if t.data_ptr() in seen:
+        key = id(t) if t.is_mkldnn else t.data_ptr()  # an opaque oneDNN tensor has no data pointer
+        if key in seen:
             continue
-        seen.add(t.data_ptr())
+        seen.add(key)
         total += t.numel() * t.element_size()
     return total
 

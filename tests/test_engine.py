@@ -58,6 +58,8 @@ CONFIGS = {
     "prefix-cache": dict(kv_cache_memory_bytes=256 * MIB, enable_prefix_caching=True, max_num_seqs=4),
     "block-1": dict(kv_cache_memory_bytes=256 * MIB, block_size=1),
     "block-32": dict(kv_cache_memory_bytes=256 * MIB, block_size=32),
+    # Every other configuration runs the default "auto" backend: the C++ decode kernel where it builds.
+    "torch-reference": dict(kv_cache_memory_bytes=256 * MIB, attention_backend="torch"),
     # 272 token slots (max_model_len 256) for ~1,200 tokens of work: sequences are preempted and resumed.
     "preempt-recompute": dict(max_model_len=256, kv_cache_memory_bytes=12 * MIB),
     "preempt-swap": dict(max_model_len=256, kv_cache_memory_bytes=12 * MIB, swap_space=0.05),
@@ -71,6 +73,10 @@ def test_engine_equals_simple_path(reference, name):
     engine_llm, outs = run_engine(**CONFIGS[name])
     for i, (got, want) in enumerate(zip(outs, reference)):
         assert got == want, f"{name}: prompt {i} differs"
+    from minfer.model.paged_attention_cpu import CpuPagedBackend, cpu_kernel_available
+
+    backend = type(engine_llm.llm_engine.runner.backend)
+    assert (backend is CpuPagedBackend) == (name != "torch-reference" and cpu_kernel_available())
     stats = engine_llm.stats()
     if "preempt" in name:
         assert stats.num_preemptions > 0

@@ -1,10 +1,14 @@
-"""`Linear`'s decode layouts (K-major or not, split into column slices) compute exactly what nn.Linear does."""
+"""`Linear`'s CPU layouts (K-major or not, split into column slices; oneDNN's packed one) compute what
+nn.Linear does."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from minfer.model.layers import Linear, TiedEmbedding, process_weights_after_loading
+from minfer.model.layers import (Linear, TiedEmbedding, default_linear_layout, onednn_available,
+                                 process_weights_after_loading)
+
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN")
 
 
 @pytest.mark.parametrize("in_f,out_f", [(16, 48), (48, 16), (24, 24), (10, 15)])
@@ -32,7 +36,54 @@ def test_repacked_linear_equals_f_linear(in_f, out_f, splits, bias, tokens):
         lin.process_weights_after_loading(splits)
 
 
-def test_merged_parts_land_in_their_rows_and_tied_embedding_reads_the_head():
+@needs_onednn
+@pytest.mark.parametrize("layout", ["onednn", "hybrid"])
+@pytest.mark.parametrize("in_f,out_f", [(16, 48), (48, 16), (10, 15)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("tokens", [1, 2, 130])
+def test_onednn_linear_equals_f_linear(layout, in_f, out_f, bias, tokens):
+    torch.manual_seed(0)
+    lin = Linear(in_f, out_f, bias=bias)
+    w, b = torch.randn(out_f, in_f), torch.randn(out_f)
+    lin.weight_loader(lin.weight, w)
+    if bias:
+        lin.weight_loader(lin.bias, b)
+    x = torch.randn(tokens, in_f)
+    expected = F.linear(x, w, b if bias else None)
+    lin.process_weights_after_loading(splits=2, layout=layout)
+    assert lin.layout == layout and (lin.weight if layout == "onednn" else lin._onednn).is_mkldnn
+    torch.testing.assert_close(lin(x), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lin(x.view(1, tokens, in_f)), expected.view(1, tokens, out_f), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lin(x.t().contiguous().t()), expected, rtol=1e-5, atol=1e-5)  # strided input
+    ids = torch.tensor([0, out_f - 1])
+    if layout == "onednn":  # nothing kept: rows cannot be read from oneDNN's layout
+        with pytest.raises(RuntimeError, match="keep_rows"):
+            lin.weight_rows(ids)
+    else:  # hybrid reads rows from its "split" copy
+        assert torch.equal(lin.weight_rows(ids), w[ids])
+    with pytest.raises(RuntimeError, match="already repacked"):
+        lin.process_weights_after_loading(layout=layout)
+
+
+def test_bad_layouts_are_named(monkeypatch):
+    lin = Linear(4, 4)
+    with pytest.raises(ValueError, match="unknown Linear layout"):
+        lin.process_weights_after_loading(layout="fast")
+    with pytest.raises(ValueError, match="float32"):
+        Linear(4, 4).to(torch.float64).process_weights_after_loading(layout="onednn")
+    monkeypatch.setenv("MINFER_LINEAR_LAYOUT", "fastest")
+    with pytest.raises(ValueError, match="MINFER_LINEAR_LAYOUT"):
+        default_linear_layout(lin)
+    monkeypatch.setenv("MINFER_LINEAR_LAYOUT", "split")
+    assert default_linear_layout(lin) == "split"
+    monkeypatch.delenv("MINFER_LINEAR_LAYOUT")
+    assert default_linear_layout(lin) == ("hybrid" if onednn_available() else "split")
+    assert default_linear_layout(lin.to(torch.bfloat16)) == "split"
+
+
+@pytest.mark.parametrize("layout", ["split", pytest.param("onednn", marks=needs_onednn),
+                                    pytest.param("hybrid", marks=needs_onednn)])
+def test_merged_parts_land_in_their_rows_and_tied_embedding_reads_the_head(layout):
     torch.manual_seed(0)
     parts = [torch.randn(6, 8), torch.randn(4, 8), torch.randn(2, 8)]
     lin = Linear(8, output_sizes=[6, 4, 2])
@@ -40,8 +91,10 @@ def test_merged_parts_land_in_their_rows_and_tied_embedding_reads_the_head():
         lin.weight_loader(lin.weight, p, i)
     emb = TiedEmbedding(lin)
     full = torch.cat(parts)
-    process_weights_after_loading(lin)
-    assert lin.splits == max(1, torch.get_num_threads()) or lin.splits == 1
+    assert process_weights_after_loading(lin, layout) == layout
+    assert lin.layout == layout
+    if layout != "onednn":
+        assert lin.splits == max(1, torch.get_num_threads()) or lin.splits == 1
     x = torch.randn(3, 8)
     torch.testing.assert_close(lin(x), x @ full.T, rtol=1e-5, atol=1e-5)
     ids = torch.tensor([[0, 11], [5, 6]])

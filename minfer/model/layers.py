@@ -50,24 +50,42 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
+def onednn_available() -> bool:
+    """True when this torch build has oneDNN's packed-weight linear (`torch.ops.mkldnn._linear_pointwise`,
+    the op torch.compile's CPU backend uses for frozen weights)."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
 class Linear(nn.Module):
-    """y = x W^T + b. Loads like `nn.Linear` (`weight [out_features, in_features]`), then repacks for decode.
+    """y = x W^T + b. Loads like `nn.Linear` (`weight [out_features, in_features]`), then repacks for the CPU.
 
-    Why repack: at batch 1 a decode step is one matrix-vector product per weight matrix, bound by how fast
-    the weights stream from memory, and two facts about these CPUs decide the layout (measured per SmolLM2
-    shape by `python -m minfer.bench gemv`; figures in `assets/benchmarks/gemv_cpu_2threads.json`):
+    `process_weights_after_loading` (vLLM's name for the hook) rewrites the loaded weight into one of four
+    layouts, chosen once per model by the module-level function of the same name. Chapter 1 §1.7 measures
+    them (`python -m minfer.bench gemv`, figures in `assets/benchmarks/gemv_cpu_2threads.json`):
 
-    1. MKL's matrix-vector product streams a matrix fastest along long contiguous rows. So the weight is
-       stored with its LONGER side contiguous: `[in, out]` (y = x @ W, "K-major") when out >= in (q|k|v,
-       gate|up, lm_head: 1.3-1.9x faster than nn.Linear's `[out, in]`), `[out, in]` when in > out (down_proj).
-    2. MKL runs a matrix-vector product of these sizes on ONE core, and one core cannot draw the machine's
-       whole memory bandwidth. Splitting the output columns into `splits` slices `[splits, in, out/splits]`
-       and multiplying them with one batched matmul lets torch hand one slice to each core: tensor
-       parallelism (the idea of chapter 7) inside a single CPU. With both: 1.4-2.3x over nn.Linear on 2 cores.
+    - `"nn"`: as loaded, `[out, in]`, run by `F.linear` (MKL's sgemm on a CPU). The GPU keeps this one.
+    - `"split"`: built for one token at a time, where each weight matrix is one matrix-vector product bound
+      by how fast the weights stream from memory. (1) The longer side is contiguous: `[in, out]`
+      ("K-major") when out >= in (q|k|v, gate|up, lm_head), `[out, in]` when in > out (down_proj); MKL
+      streams long rows fastest. (2) The output columns are cut into `splits` slices
+      `[splits, in, out/splits]` run by one batched matmul, so each core streams its own slice (MKL runs a
+      product this small on one core, and one core cannot draw the machine's bandwidth): tensor
+      parallelism (chapter 7) inside one CPU.
+    - `"onednn"`: oneDNN's own blocked layout (`torch.ops.mkldnn._reorder_linear_weight`), run by
+      `torch.ops.mkldnn._linear_pointwise` (what torch.compile's CPU backend does with frozen weights). On
+      the AMD EPYC (Zen 4) CPUs of this course it is 1.2-2.5x faster than MKL for products of 2 to 2,000
+      rows (batched decode, prefill), but slower than "split" for a single row. Its packed tensor is opaque,
+      so a head whose table is also the embedding keeps a plain copy for `weight_rows` (`keep_rows`).
+    - `"hybrid"` (the default for float32 on a CPU with oneDNN): both copies, "split" for one row and
+      "onednn" for more. It stores the weights twice (2 x 540 MB for SmolLM2 in float32), the price of
+      the fastest product at every batch size; `MINFER_LINEAR_LAYOUT=split` keeps one copy.
 
     `output_sizes` (for merged projections, e.g. q|k|v or gate|up) lists each part's output width; the
     checkpoint's parts are loaded one by one with `weight_loader(param, tensor, shard)`.
     """
+
+    ONEDNN_BATCH_HINT = 64  # rows oneDNN tunes its packing for; measured equal to exact hints from 8 to 2048
 
     def __init__(self, in_features: int, out_features: int | None = None, bias: bool = False,
                  output_sizes: list[int] | None = None):
@@ -76,15 +94,23 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, sum(self.output_sizes)
         self.weight = nn.Parameter(torch.empty(self.out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(self.out_features)) if bias else None
-        self.splits = 0  # 0: nn.Linear layout; >= 1: repacked into this many column slices
-        self.k_major = self.out_features >= in_features  # the repacked layout: [in, out] slices, else [out, in]
+        self.layout = "nn"
+        self.splits = 0  # the "split" layout's number of column slices
+        self.k_major = self.out_features >= in_features  # the "split" layout: [in, out] slices, else [out, in]
+        self.keep_rows = False  # set by TiedEmbedding: weight_rows must work whatever the layout
+        self._rows: torch.Tensor | None = None  # plain [out, in] copy kept for weight_rows under "onednn"
+        self._onednn: torch.Tensor | None = None  # oneDNN-packed copy under "hybrid" (not a parameter)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[..., in_features]` -> `[..., out_features]`, in x's dtype."""
-        if self.splits == 0:
+        if self.layout == "nn":
             return F.linear(x, self.weight, self.bias)
-        w = self.weight if self.k_major else self.weight.transpose(1, 2)  # [splits, in, out/splits] either way
         x2 = x.reshape(-1, self.in_features)
+        if self.layout == "onednn" or (self._onednn is not None and x2.shape[0] > 1):
+            packed = self.weight if self.layout == "onednn" else self._onednn
+            y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), packed, self.bias, "none", [], "")
+            return y.view(*x.shape[:-1], self.out_features)
+        w = self.weight if self.k_major else self.weight.transpose(1, 2)  # [splits, in, out/splits] either way
         if self.splits == 1:
             y = x2 @ w[0]
         else:
@@ -95,44 +121,89 @@ class Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     @torch.no_grad()
-    def process_weights_after_loading(self, splits: int = 1) -> None:
-        """Repack the loaded `[out, in]` weight for CPU decode (see the class docstring); call once.
+    def process_weights_after_loading(self, splits: int = 1, layout: str = "split") -> None:
+        """Repack the loaded `[out, in]` weight into `layout` ("split", "onednn", "hybrid" or "nn"; see the
+        class docstring); call once, after loading.
 
-        `splits` is clamped to 1 when it does not divide `out_features`. Raises RuntimeError if already repacked.
+        `splits` (the "split" part of "split" and "hybrid") is clamped to 1 when it does not divide `out_features`.
+        Raises RuntimeError if already repacked, ValueError for an unknown layout or "onednn" where this torch
+        has no oneDNN or the weight is not float32.
         """
-        if self.splits:
+        if self.layout != "nn":
             raise RuntimeError("Linear weights are already repacked")
+        if layout not in LINEAR_LAYOUTS:
+            raise ValueError(f"unknown Linear layout {layout!r}: one of {', '.join(map(repr, LINEAR_LAYOUTS))}")
+        if layout == "nn":
+            return
+        if layout in ("onednn", "hybrid"):
+            if not onednn_available() or self.weight.dtype != torch.float32:
+                raise ValueError(f"the {layout} layout needs a torch with oneDNN and a float32 weight")
+            packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, self.ONEDNN_BATCH_HINT)
+            if layout == "onednn":
+                if self.keep_rows:
+                    self._rows = self.weight.data
+                self.weight = nn.Parameter(packed, requires_grad=False)
+                self.layout = "onednn"
+                return
+            self._onednn = packed  # and the "split" copy below, for single rows
         splits = splits if splits >= 1 and self.out_features % splits == 0 else 1
         w = self.weight.data.view(splits, self.out_features // splits, self.in_features)  # [S, out/S, in]
         self.weight = nn.Parameter((w.transpose(1, 2) if self.k_major else w).contiguous(), requires_grad=False)
-        self.splits = splits
+        self.splits, self.layout = splits, layout
 
     def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `W[ids]` of the `[out, in]` matrix, whatever the storage layout: `[*ids.shape, in]`."""
-        if self.splits == 0:
+        """Rows `W[ids]` of the `[out, in]` matrix, whatever the storage layout: `[*ids.shape, in]`.
+
+        Raises RuntimeError under "onednn" unless `keep_rows` was set before repacking."""
+        if self.layout == "nn":
             return self.weight[ids]
+        if self.layout == "onednn":  # "hybrid" reads its "split" copy below
+            if self._rows is None:
+                raise RuntimeError("rows of a oneDNN-packed weight: set keep_rows before repacking")
+            return self._rows[ids]
         per = self.out_features // self.splits
         s, j = ids // per, ids % per
         return self.weight[s, :, j] if self.k_major else self.weight[s, j, :]
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard: int | None = None) -> None:
         """Copy checkpoint part `shard` (`[out_part, in]` weight or `[out_part]` bias) into its rows."""
-        if self.splits:
+        if self.layout != "nn":
             raise RuntimeError("load weights before process_weights_after_loading repacks them")
         shard = shard or 0
         start, size = sum(self.output_sizes[:shard]), self.output_sizes[shard]
         default_weight_loader(param.data.narrow(0, start, size), loaded)
 
 
-def process_weights_after_loading(model: nn.Module) -> None:
-    """Repack every `Linear` of a freshly loaded model for fast CPU decode, one column slice per torch thread
-    (a no-op on GPUs)."""
-    if next(model.parameters()).device.type != "cpu":
-        return
+LINEAR_LAYOUTS = ("hybrid", "onednn", "split", "nn")
+
+
+def default_linear_layout(model: nn.Module) -> str:
+    """The layout `process_weights_after_loading(model)` picks: `MINFER_LINEAR_LAYOUT` if set, else "nn" on a
+    GPU, "hybrid" for float32 on a CPU with oneDNN, "split" otherwise. Raises ValueError for a bad override."""
+    import os
+
+    forced = os.environ.get("MINFER_LINEAR_LAYOUT")
+    if forced:
+        if forced not in LINEAR_LAYOUTS:
+            raise ValueError(f"MINFER_LINEAR_LAYOUT={forced!r}: use one of {', '.join(LINEAR_LAYOUTS)}")
+        return forced
+    p = next(model.parameters())
+    if p.device.type != "cpu":
+        return "nn"
+    return "hybrid" if p.dtype == torch.float32 and onednn_available() else "split"
+
+
+def process_weights_after_loading(model: nn.Module, layout: str | None = None) -> str:
+    """Repack every `Linear` of a freshly loaded model into `layout` (default: `default_linear_layout`); the
+    "split" part uses one column slice per torch thread. Returns the layout used."""
+    layout = layout or default_linear_layout(model)
+    if layout == "nn":
+        return layout
     splits = max(1, torch.get_num_threads())
     for module in model.modules():
         if isinstance(module, Linear):
-            module.process_weights_after_loading(splits)
+            module.process_weights_after_loading(splits, layout)
+    return layout
 
 
 def MergedLinear(in_features: int, output_sizes: list[int], bias: bool = False) -> Linear:
@@ -144,19 +215,21 @@ class TiedEmbedding(nn.Module):
     """Token embedding that shares its table with the LM head (`tie_word_embeddings`).
 
     A lookup reads rows of the head's `[vocab, hidden]` matrix through `Linear.weight_rows`, whatever layout
-    the head was repacked into: a gather of a few strided columns, nothing next to the head's full read
-    every step.
+    the head was repacked into: under "split" a gather of a few strided columns of the one shared table;
+    under "onednn", whose packed table cannot be indexed, rows of a plain copy the head keeps for this
+    (`keep_rows`; the table is then stored twice, 113 MB more for SmolLM2 in float32).
     """
 
     def __init__(self, lm_head: Linear):
         super().__init__()
         self.lm_head = [lm_head]  # a list, so the head is not registered (and loaded) twice
+        lm_head.keep_rows = True
 
     @property
     def weight(self) -> torch.Tensor:
-        """The table as `nn.Embedding` would show it, `[vocab, hidden]` (a copy once the head is repacked)."""
+        """The table as `nn.Embedding` would show it, `[vocab, hidden]` (a copy under the "split" layout)."""
         head = self.lm_head[0]
-        return head.weight if head.splits == 0 else head.weight_rows(torch.arange(head.out_features))
+        return head.weight if head.layout == "nn" else head.weight_rows(torch.arange(head.out_features))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.lm_head[0].weight_rows(ids)

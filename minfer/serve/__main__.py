@@ -17,7 +17,7 @@ import re
 import sys
 from dataclasses import fields
 
-from minfer.config import DEFAULT_MODEL, EngineArgs
+from minfer.config import ATTENTION_BACKENDS, DEFAULT_MODEL, EngineArgs
 
 logger = logging.getLogger("minfer.serve")
 
@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
       help="what to do with a preempted sequence's KV (default: recompute, or swap if --swap-space > 0)")
     a("--enforce-eager", action=argparse.BooleanOptionalAction, default=d["enforce_eager"],
       help=f"no graph capture; minfer always runs eagerly (default: {d['enforce_eager']})")
+    a("--attention-backend", choices=list(ATTENTION_BACKENDS), default=d["attention_backend"],
+      help="auto: the C++ paged decode kernel for float32 on the CPU, else torch; torch: the plain-torch "
+           "reference; cpu: the C++ kernel or an error; triton: the Triton kernels (default: "
+           f"{d['attention_backend']})")
     a("--enable-flash-attn", action="store_true",
       help="Triton FlashAttention + paged-decode kernels, i.e. attention_backend=triton (default: off, torch)")
     a("--device", default=d["device"], metavar="DEV", help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
@@ -109,7 +113,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
         preemption_mode=args.preemption_mode,
-        attention_backend="triton" if args.enable_flash_attn else _DEFAULTS["attention_backend"],
+        attention_backend="triton" if args.enable_flash_attn else args.attention_backend,
         enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, device=args.device)

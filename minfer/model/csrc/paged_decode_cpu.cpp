@@ -1,0 +1,145 @@
+// Decode attention read in place from the paged KV pool, on the CPU (chapter 3, §"Reading the pool
+// without copying it").
+//
+// One query token per sequence. The torch reference (PagedTorchBackend) first gathers each sequence's
+// blocks into a padded [B, L, KVH, D] tensor and then calls SDPA: the K/V bytes cross the memory bus three
+// times (read by the gather, written by it, read again by SDPA). This kernel follows the block table itself,
+// so every K/V byte is read exactly once, and it does the three query heads that share a K/V head (GQA)
+// together, so each key is loaded once for all of them.
+//
+// Work item = (sequence b, K/V head kvh); items are independent, so OpenMP hands them to the threads.
+// Per item, three plain loops over the keys the query may see (its context, or the last `window` of it):
+//   1. scores[g][t] = scale * q[g] . k[t]  (+ ALiBi bias)
+//   2. softmax of each row of scores (max, exp, sum)
+//   3. out[g] = sum_t p[g][t] * v[t] / sum
+// A sequence's scores fit in L1/L2 (3 heads x 1k keys x 4 B = 12 KB), so "all scores, then the softmax"
+// costs nothing extra and needs no online-softmax bookkeeping (the GPU kernel in paged_decode.py does
+// need it: there a program only sees one tile of keys at a time).
+//
+// Layout contract (checked on the Python side, minfer/kernels/cpu.py):
+//   q, out         float32 [B, H, D], contiguous
+//   k_cache, v_cache float32 [num_blocks, block_size, KVH, D], contiguous
+//   block_tables   int32 [B, max_blocks], contiguous; context_lens int32 [B]
+//   alibi_slopes   float32 [H] or null
+// Built with -ffast-math so that the exp loop is vectorized (glibc's libmvec): no value here is inf or NaN.
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+constexpr int64_t kMaxHeadsPerItem = 256;  // query heads per work item (checked in Python)
+
+// kHeadDim > 0: the head size is a compile-time constant, so the compiler unrolls the loops over it into
+// a few full-width vector instructions (the common sizes get their own copy); 0: any head size.
+template <int64_t kHeadDim>
+static void paged_decode(
+    float* out, const float* q, const float* k_cache, const float* v_cache,
+    const int32_t* block_tables, const int32_t* context_lens,
+    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t block_size, int64_t max_blocks, float scale, int64_t window, const float* alibi_slopes,
+    int num_threads) {
+  const int64_t D = kHeadDim > 0 ? kHeadDim : head_dim;
+  const int64_t G = num_heads / num_kv_heads;     // query heads per K/V head (GQA group)
+  const int64_t token_stride = num_kv_heads * D;  // floats from one token's K row to the next
+  // Work item = one sequence and a range of its K/V heads. Whole sequences when there are enough of them
+  // to keep every thread busy: a token's K row of all heads is one contiguous run of memory, and a block
+  // is block_size of them back to back. With few sequences, one K/V head per item, so that even a single
+  // sequence is spread over the threads.
+  const int64_t kv_per_item = num_seqs >= 4 * num_threads ? num_kv_heads : 1;
+  const int64_t items_per_seq = num_kv_heads / kv_per_item;
+  const int64_t nh = kv_per_item * G;  // query heads per item
+
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<float> scores, acc(nh * D);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < num_seqs * items_per_seq; ++item) {
+      const int64_t b = item / items_per_seq;
+      const int64_t kv0 = (item % items_per_seq) * kv_per_item;  // first K/V head of this item
+      const int64_t len = context_lens[b];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t n = len - first;  // keys this query sees: [first, len)
+      const int32_t* table = block_tables + b * max_blocks;
+      const float* qb = q + (b * num_heads + kv0 * G) * D;  // query head kv0*G + h is row h
+      float* ob = out + (b * num_heads + kv0 * G) * D;
+      if (n <= 0) {  // nothing visible (the Python side never asks for this): a zero output, not a NaN
+        std::fill(ob, ob + nh * D, 0.f);
+        continue;
+      }
+      scores.resize(nh * n);  // row h: the scores of query head kv0*G + h
+      std::fill(acc.begin(), acc.end(), 0.f);
+
+      // 1. scores, block by block: token t lives at offset t % block_size of block table[t / block_size].
+      //    The G query heads of a group read the same K/V head (Hugging Face's GQA order: head h -> h / G).
+      for (int64_t t = first; t < len;) {
+        const int64_t blk = t / block_size, end = std::min(len, (blk + 1) * block_size);
+        const float* k = k_cache + ((int64_t)table[blk] * block_size + t % block_size) * token_stride + kv0 * D;
+        for (; t < end; ++t, k += token_stride) {
+          for (int64_t kv = 0; kv < kv_per_item; ++kv) {
+            const float* kh = k + kv * D;
+            for (int64_t g = 0; g < G; ++g) {
+              const int64_t h = kv * G + g;
+              const float* qh = qb + h * D;
+              float s = 0.f;
+#pragma omp simd reduction(+ : s)
+              for (int64_t d = 0; d < D; ++d) s += qh[d] * kh[d];
+              scores[h * n + (t - first)] = s * scale;
+            }
+          }
+        }
+      }
+      if (alibi_slopes)  // ALiBi: a bias growing with the distance to the query (at position len - 1)
+        for (int64_t h = 0; h < nh; ++h)
+          for (int64_t i = 0; i < n; ++i) scores[h * n + i] -= alibi_slopes[kv0 * G + h] * (float)(n - 1 - i);
+
+      // 2. softmax of each query head's row (left unnormalized; divided once at the end).
+      float inv_sum[kMaxHeadsPerItem];
+      for (int64_t h = 0; h < nh; ++h) {
+        float* row = scores.data() + h * n;
+        float m = row[0];
+        for (int64_t i = 1; i < n; ++i) m = std::max(m, row[i]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < n; ++i) {
+          row[i] = std::exp(row[i] - m);
+          sum += row[i];
+        }
+        inv_sum[h] = 1.f / sum;
+      }
+
+      // 3. weighted sum of the values, read through the same block table.
+      for (int64_t t = first; t < len;) {
+        const int64_t blk = t / block_size, end = std::min(len, (blk + 1) * block_size);
+        const float* v = v_cache + ((int64_t)table[blk] * block_size + t % block_size) * token_stride + kv0 * D;
+        for (; t < end; ++t, v += token_stride) {
+          for (int64_t kv = 0; kv < kv_per_item; ++kv) {
+            const float* vh = v + kv * D;
+            for (int64_t g = 0; g < G; ++g) {
+              const int64_t h = kv * G + g;
+              const float p = scores[h * n + (t - first)];
+              float* a = acc.data() + h * D;
+#pragma omp simd
+              for (int64_t d = 0; d < D; ++d) a[d] += p * vh[d];
+            }
+          }
+        }
+      }
+      for (int64_t h = 0; h < nh; ++h)
+        for (int64_t d = 0; d < D; ++d) ob[h * D + d] = acc[h * D + d] * inv_sum[h];
+    }
+  }
+}
+
+extern "C" void minfer_paged_decode_f32(
+    float* out, const float* q, const float* k_cache, const float* v_cache,
+    const int32_t* block_tables, const int32_t* context_lens,
+    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t block_size, int64_t max_blocks, float scale, int64_t window, const float* alibi_slopes,
+    int num_threads) {
+  auto kernel = head_dim == 64 ? paged_decode<64> : head_dim == 128 ? paged_decode<128> : paged_decode<0>;
+  kernel(out, q, k_cache, v_cache, block_tables, context_lens, num_seqs, num_heads, num_kv_heads, head_dim,
+         block_size, max_blocks, scale, window, alibi_slopes, num_threads);
+}

@@ -1,0 +1,141 @@
+"""Decode attention that reads the paged pool in place, on the CPU (chapter 3, "Reading the pool without
+copying it"; chapter 6 measures what it buys the engine).
+
+The plain-torch `PagedTorchBackend` gathers each decode sequence's blocks into a padded tensor and then
+calls SDPA, so every K/V byte crosses the memory bus three times; in a wide decode step that is most of
+the attention time. `csrc/paged_decode_cpu.cpp` walks the block table itself (vLLM's PagedAttention idea,
+Kwon et al. 2023, on a CPU): each byte is read once, and the query heads that share a K/V head (GQA) are
+done together. It is about 100 lines of plain C++ with OpenMP; this module builds it with torch's
+extension builder (`torch.utils.cpp_extension.load`: ninja, a per-user cache, a lock between processes)
+and calls it through `ctypes` with the tensors' data pointers, so the C++ needs no torch headers and builds
+in about a second.
+
+`CpuPagedBackend` is `PagedTorchBackend` with the decode part replaced; prefill is unchanged. The engine
+uses it by default for float32 on the CPU when the kernel builds (`attention_backend="auto"`), and falls
+back to the torch reference, with one warning, when it does not (no C++ compiler, no ninja, a platform
+whose compiler lacks OpenMP). `MINFER_CPU_KERNELS=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from minfer.model.attention import Attention, ForwardContext, PagedTorchBackend
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode_cpu.cpp"
+# -ffast-math lets gcc vectorize the exp loop (glibc's libmvec); the kernel never sees inf or NaN.
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+MAX_HEADS = 256  # query heads the kernel's per-item stack buffer holds (kMaxHeadsPerItem)
+
+
+class CpuKernelUnavailable(RuntimeError):
+    """The C++ kernel could not be built or loaded here (the message says why)."""
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    """Build (once per user and source version; cached under ~/.cache/torch_extensions) and load the kernel.
+
+    Raises:
+        CpuKernelUnavailable: disabled by MINFER_CPU_KERNELS=0, or the build or load failed.
+    """
+    if os.environ.get("MINFER_CPU_KERNELS", "1") == "0":
+        raise CpuKernelUnavailable("disabled by MINFER_CPU_KERNELS=0")
+    try:
+        from torch.utils.cpp_extension import load
+
+        path = load(name="minfer_paged_decode_cpu", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                    extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        lib = ctypes.CDLL(path)
+    except Exception as e:  # a missing compiler/ninja shows up as many different exception types
+        raise CpuKernelUnavailable(f"building {SOURCE.name} failed: {type(e).__name__}: {e}") from e
+    f = lib.minfer_paged_decode_f32
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    f.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64, ptr,
+                  ctypes.c_int]
+    f.restype = None
+    return lib
+
+
+def cpu_kernel_available() -> bool:
+    """True when the C++ decode kernel is built and loadable on this machine (builds it on first call)."""
+    try:
+        _library()
+        return True
+    except CpuKernelUnavailable:
+        return False
+
+
+def paged_attention_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                               sliding_window: int | None = None, alibi_slopes: torch.Tensor | None = None,
+                               out: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per sequence against its paged context, read in place (no gather).
+
+    Args:
+        q: float32 `[B, H, D]`, the query of each decoding sequence (position `context_lens[b] - 1`).
+        k_cache, v_cache: float32 `[num_blocks, block_size, KVH, D]`, one layer's pool (K/V of this step
+            already stored).
+        block_tables: int32 `[B, max_blocks]`; context_lens: int32 `[B]`, keys each sequence sees (>= 1).
+        scale: softmax scale (usually D ** -0.5). sliding_window: attend only to the newest W keys.
+        alibi_slopes: float32 `[H]` or None (bias -slope * distance, Press et al. 2022).
+        out: optional float32 `[B, H, D]` contiguous to write into.
+
+    Returns:
+        float32 `[B, H, D]`.
+
+    Raises:
+        CpuKernelUnavailable: the kernel cannot be built here.
+        ValueError: a tensor of the wrong dtype, device or layout.
+    """
+    lib = _library()
+    b, h, d = q.shape
+    kvh = k_cache.shape[2]
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous float32 CPU tensor, got {t.dtype} on {t.device}")
+    if h % kvh or h > MAX_HEADS:
+        raise ValueError(f"{h} query heads over {kvh} K/V heads: need a multiple of {kvh}, at most {MAX_HEADS}")
+    block_tables = block_tables.to(torch.int32).contiguous()
+    context_lens = context_lens.to(torch.int32).contiguous()
+    if out is None:
+        out = torch.empty_like(q)
+    slopes = None
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(device="cpu", dtype=torch.float32).contiguous()
+    lib.minfer_paged_decode_f32(
+        out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        context_lens.data_ptr(), b, h, kvh, d, k_cache.shape[1], block_tables.shape[1], scale,
+        sliding_window or 0, slopes.data_ptr() if slopes is not None else None, torch.get_num_threads())
+    return out
+
+
+class CpuPagedBackend(PagedTorchBackend):
+    """`PagedTorchBackend` whose decode part runs the C++ kernel (float32 on the CPU only).
+
+    Raises at construction (CpuKernelUnavailable) when the kernel cannot be built, so the engine can fall
+    back to the torch reference before serving anything.
+    """
+
+    def __init__(self, kv_caches: list[torch.Tensor]):
+        _library()
+        if any(c.dtype != torch.float32 or c.device.type != "cpu" for c in kv_caches):
+            raise CpuKernelUnavailable("the CPU kernel handles a float32 KV pool on the CPU only")
+        super().__init__(kv_caches)
+
+    def _decode(self, layer: Attention, kv, q, ctx: ForwardContext) -> torch.Tensor:
+        p = ctx.num_prefills
+        tables, lens = ctx.extra.get("decode_tables"), ctx.extra.get("decode_lens")
+        if tables is None:  # once per forward, shared by all layers
+            tables = ctx.extra["decode_tables"] = ctx.block_tables[p:].to(torch.int32).contiguous()
+            lens = ctx.extra["decode_lens"] = ctx.context_lens[p:].to(torch.int32).contiguous()
+        return paged_attention_decode_cpu(q.contiguous(), kv[0], kv[1], tables, lens, layer.scale,
+                                          layer.sliding_window, layer.alibi_slopes)

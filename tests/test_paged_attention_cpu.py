@@ -1,0 +1,121 @@
+"""The C++ decode-attention kernel (minfer/model/paged_attention_cpu.py, csrc/paged_decode_cpu.cpp) against
+`attend` run on each sequence alone, and the engine's choice of backend.
+
+    pytest tests/test_paged_attention_cpu.py
+"""
+
+import random
+import shutil
+
+import pytest
+import torch
+
+from minfer.model import paged_attention_cpu as cpu
+from minfer.model.attention import Attention, ForwardContext, PagedTorchBackend, attend
+from minfer.model.positions import alibi_slopes
+from tests.test_paged_torch_backend import _pool_and_tables
+
+needs_kernel = pytest.mark.skipif(not cpu.cpu_kernel_available(), reason="no C++ compiler/ninja to build the kernel")
+
+
+def test_kernel_builds_where_a_compiler_is():
+    """Where a C++ compiler and ninja exist (this project's CI), the kernel must build: a broken build must
+    fail here, not silently fall back to the slower reference everywhere."""
+    if not (shutil.which("c++") or shutil.which("g++")) or not shutil.which("ninja"):
+        pytest.skip("no C++ compiler or ninja on this machine")
+    cpu._library.cache_clear()
+    cpu._library()
+
+
+@needs_kernel
+@pytest.mark.parametrize("num_seqs", [3, 19])  # fewer / more than 4 x threads: per-head and per-sequence items
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 128), (8, 1, 48)])  # GQA, MHA (D=128), MQA (generic D)
+@pytest.mark.parametrize("bs", [1, 16, 32])
+def test_kernel_equals_attend(num_seqs, heads, bs):
+    h, kvh, d = heads
+    rng = random.Random(num_seqs * bs)
+    lens = [rng.randint(1, 150) for _ in range(num_seqs)]
+    kv, tables, dense = _pool_and_tables(lens, bs, kvh, d, seed=bs)
+    layer = Attention(0, h, kvh, d, scale=d ** -0.5)
+    q = torch.randn(num_seqs, h, d)
+    out = cpu.paged_attention_decode_cpu(q, kv[0], kv[1], tables, torch.tensor(lens), layer.scale)
+    for i in range(num_seqs):
+        torch.testing.assert_close(out[i:i + 1], attend(layer, q[i:i + 1], *dense[i]), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("window,alibi", [(7, False), (None, True), (20, True)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_window_alibi_threads(window, alibi, threads):
+    h, kvh, d, bs = 6, 2, 16, 4
+    lens = [1, 2, 7, 8, 9, 40, 90, 3, 64, 65]
+    kv, tables, dense = _pool_and_tables(lens, bs, kvh, d, seed=1)
+    layer = Attention(0, h, kvh, d, scale=d ** -0.5, sliding_window=window,
+                      alibi_slopes=alibi_slopes(h) if alibi else None)
+    q = torch.randn(len(lens), h, d)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu.paged_attention_decode_cpu(q, kv[0], kv[1], tables, torch.tensor(lens), layer.scale, window,
+                                             layer.alibi_slopes)
+    finally:
+        torch.set_num_threads(before)
+    for i in range(len(lens)):
+        torch.testing.assert_close(out[i:i + 1], attend(layer, q[i:i + 1], *dense[i]), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_backend_mixed_prefill_and_decode_equals_torch_reference():
+    """A forward with a prefill chunk (cached prefix) and decodes: CpuPagedBackend == PagedTorchBackend."""
+    h, kvh, d, bs = 6, 2, 16, 4
+    lens = [30, 11, 5, 26]  # sequence 0 is a chunk of 6 new tokens after 24 cached; the rest decode
+    kv, tables, _ = _pool_and_tables(lens, bs, kvh, d, seed=2)
+    layer = Attention(0, h, kvh, d, scale=d ** -0.5)
+    new = 6 + 3
+    q, k, v = torch.randn(new, h, d), torch.randn(new, kvh, d), torch.randn(new, kvh, d)
+    positions = torch.tensor(list(range(24, 30)) + [n - 1 for n in lens[1:]])
+    slots = torch.tensor([int(tables[s, p // bs]) * bs + p % bs
+                          for s, p in [(0, p) for p in range(24, 30)] + [(i, lens[i] - 1) for i in range(1, 4)]])
+    outs = []
+    for backend in (PagedTorchBackend([kv.clone()]), cpu.CpuPagedBackend([kv.clone()])):
+        ctx = ForwardContext(attn_backend=backend, positions=positions, num_prefills=1, num_prefill_tokens=6,
+                             cu_seqlens_q=torch.tensor([0, 6], dtype=torch.int32),
+                             cu_seqlens_k=torch.tensor([0, 30], dtype=torch.int32), max_seqlen_q=6, max_seqlen_k=30,
+                             slot_mapping=slots, block_tables=tables, context_lens=torch.tensor(lens, dtype=torch.int32))
+        outs.append(layer(q, k, v, ctx))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_kernel_rejects_what_it_cannot_read():
+    kv = torch.zeros(2, 4, 16, 2, 8)
+    tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="float32"):
+        cpu.paged_attention_decode_cpu(torch.zeros(1, 4, 8, dtype=torch.float64), kv[0], kv[1], tables, lens, 1.0)
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu.paged_attention_decode_cpu(torch.zeros(1, 8, 4).transpose(1, 2), kv[0], kv[1], tables, lens, 1.0)
+    with pytest.raises(ValueError, match="multiple"):
+        cpu.paged_attention_decode_cpu(torch.zeros(1, 3, 8), kv[0], kv[1], tables, lens, 1.0)
+    with pytest.raises(cpu.CpuKernelUnavailable, match="float32"):
+        cpu.CpuPagedBackend([kv.to(torch.bfloat16)])
+
+
+def test_disabled_kernel_falls_back_or_fails_clearly(monkeypatch, caplog):
+    """MINFER_CPU_KERNELS=0: "auto" uses the torch reference with a warning; "cpu" is a clear ValueError."""
+    from minfer.engine import LLMEngine
+
+    monkeypatch.setenv("MINFER_CPU_KERNELS", "0")
+    cpu._library.cache_clear()
+    try:
+        engine = LLMEngine.__new__(LLMEngine)  # only _make_backend is exercised: no model needed
+        engine.device = torch.device("cpu")
+        engine.model_config = type("M", (), {"dtype": torch.float32})()
+        engine.pool = type("P", (), {"layers": [torch.zeros(2, 2, 4, 1, 8)]})()
+        with caplog.at_level("WARNING", logger="minfer.engine"):
+            assert type(engine._make_backend("auto")) is PagedTorchBackend
+        assert "MINFER_CPU_KERNELS=0" in caplog.text
+        with pytest.raises(ValueError, match="attention_backend='cpu' cannot run here"):
+            engine._make_backend("cpu")
+    finally:
+        monkeypatch.delenv("MINFER_CPU_KERNELS")
+        cpu._library.cache_clear()
