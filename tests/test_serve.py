@@ -103,7 +103,7 @@ def test_help_lists_vllm_flags():
                  "--quantization", "--kv-cache-dtype", "--enable-prefix-caching", "--max-num-batched-tokens",
                  "--max-num-seqs", "--swap-space", "--enforce-eager", "--enable-chunked-prefill",
                  "--disable-log-requests", "--seed", "--block-size", "--kv-cache-memory-bytes", "--api-key",
-                 "--enable-flash-attn"):
+                 "--enable-flash-attn", "--attention-backend"):
         assert flag in r.stdout, flag
 
 
@@ -119,6 +119,12 @@ def test_flags_map_onto_engine_args():
     assert ea.kv_cache_memory_bytes == 16 * 2**20 and ea.swap_space == 1.0 and ea.enable_chunked_prefill
     assert (ea.max_num_batched_tokens, ea.seed, ea.attention_backend, ea.dtype) == (64, 7, "triton", "float32")
     assert ea.model == MODEL
+    assert engine_args_from(build_parser().parse_args([])).attention_backend == "auto"
+    assert engine_args_from(build_parser().parse_args(["--attention-backend", "torch"])).attention_backend == "torch"
+    with pytest.raises(ValueError, match="--enable-flash-attn"):
+        engine_args_from(build_parser().parse_args(["--attention-backend", "cpu", "--enable-flash-attn"]))
+    with pytest.raises(SystemExit):  # argparse names the choices
+        build_parser().parse_args(["--attention-backend", "fast"])
 
 
 # ----------------------------------------------------------------------------------------------------------

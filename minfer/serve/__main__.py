@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
            "reference; cpu: the C++ kernel or an error; triton: the Triton kernels (default: "
            f"{d['attention_backend']})")
     a("--enable-flash-attn", action="store_true",
-      help="Triton FlashAttention + paged-decode kernels, i.e. attention_backend=triton (default: off, torch)")
+      help="Triton FlashAttention + paged-decode kernels, i.e. --attention-backend triton (default: off)")
     a("--device", default=d["device"], metavar="DEV", help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     a("--seed", type=int, metavar="N", default=d["seed"], help=f"engine random seed (default: {d['seed']})")
     a("--disable-log-requests", action="store_true", help="do not log each request (default: log them)")
@@ -106,6 +106,8 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
     model = args.model or args.model_tag or DEFAULT_MODEL
     if args.model and args.model_tag and args.model != args.model_tag:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+    if args.enable_flash_attn and args.attention_backend not in ("auto", "triton"):
+        raise ValueError(f"--enable-flash-attn means --attention-backend triton, not {args.attention_backend!r}")
     return EngineArgs(
         model=model, tokenizer=args.tokenizer, dtype=args.dtype, max_model_len=args.max_model_len,
         seed=args.seed, block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
