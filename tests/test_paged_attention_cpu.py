@@ -98,6 +98,23 @@ def test_kernel_rejects_what_it_cannot_read():
         cpu.paged_attention_decode_cpu(torch.zeros(1, 3, 8), kv[0], kv[1], tables, lens, 1.0)
     with pytest.raises(cpu.CpuKernelUnavailable, match="float32"):
         cpu.CpuPagedBackend([kv.to(torch.bfloat16)])
+    q = torch.zeros(1, 4, 8)
+    # Out-of-range lengths or block ids would make the C++ read outside the pool: refused up front.
+    with pytest.raises(ValueError, match="context_lens"):
+        cpu.paged_attention_decode_cpu(q, kv[0], kv[1], tables, torch.tensor([17]), 1.0)
+    with pytest.raises(ValueError, match="context_lens"):
+        cpu.paged_attention_decode_cpu(q, kv[0], kv[1], tables, torch.tensor([0]), 1.0)
+    with pytest.raises(ValueError, match="block ids"):
+        cpu.paged_attention_decode_cpu(q, kv[0], kv[1], torch.tensor([[4]]), lens, 1.0)
+    with pytest.raises(ValueError, match="block_tables"):
+        cpu.paged_attention_decode_cpu(q, kv[0], kv[1], torch.zeros(2, 1, dtype=torch.int32), lens, 1.0)
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        cpu.paged_attention_decode_cpu(q, kv[0], kv[1], tables, lens, 1.0, alibi_slopes=torch.ones(3))
+    with pytest.raises(ValueError, match="same shape"):
+        cpu.paged_attention_decode_cpu(q, kv[0], kv[1, :3], tables, lens, 1.0)
+    with pytest.raises(ValueError, match="out must be"):
+        cpu.paged_attention_decode_cpu(q, kv[0], kv[1], tables, lens, 1.0, out=torch.zeros(1, 4, 9))
+    assert cpu.paged_attention_decode_cpu(q[:0], kv[0], kv[1], tables[:0], lens[:0], 1.0).shape == (0, 4, 8)
 
 
 def test_disabled_kernel_falls_back_or_fails_clearly(monkeypatch, caplog):

@@ -77,7 +77,7 @@ def cpu_kernel_available() -> bool:
 def paged_attention_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                sliding_window: int | None = None, alibi_slopes: torch.Tensor | None = None,
-                               out: torch.Tensor | None = None) -> torch.Tensor:
+                               out: torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
     """One query per sequence against its paged context, read in place (no gather).
 
     Args:
@@ -88,29 +88,55 @@ def paged_attention_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         scale: softmax scale (usually D ** -0.5). sliding_window: attend only to the newest W keys.
         alibi_slopes: float32 `[H]` or None (bias -slope * distance, Press et al. 2022).
         out: optional float32 `[B, H, D]` contiguous to write into.
+        validate: check that every block id and length stays inside the pool and the table (the C++ reads
+            raw memory and would not notice); the backend checks once per forward and skips it per layer.
 
     Returns:
         float32 `[B, H, D]`.
 
     Raises:
         CpuKernelUnavailable: the kernel cannot be built here.
-        ValueError: a tensor of the wrong dtype, device or layout.
+        ValueError: a tensor of the wrong dtype, device, shape or layout, or a block id or context length
+            outside the pool or the block table.
     """
     lib = _library()
+    if q.dim() != 3 or k_cache.dim() != 4:
+        raise ValueError(f"q must be [B, H, D] and the caches [num_blocks, block_size, KVH, D], got "
+                         f"{tuple(q.shape)} and {tuple(k_cache.shape)}")
     b, h, d = q.shape
-    kvh = k_cache.shape[2]
+    num_blocks, bs, kvh = k_cache.shape[:3]
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous float32 CPU tensor, got {t.dtype} on {t.device}")
+    if v_cache.shape != k_cache.shape or k_cache.shape[3] != d:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have the same "
+                         f"shape, ending in head_dim {d}")
     if h % kvh or h > MAX_HEADS:
         raise ValueError(f"{h} query heads over {kvh} K/V heads: need a multiple of {kvh}, at most {MAX_HEADS}")
     block_tables = block_tables.to(torch.int32).contiguous()
     context_lens = context_lens.to(torch.int32).contiguous()
+    if block_tables.dim() != 2 or block_tables.shape[0] != b or context_lens.shape != (b,):
+        raise ValueError(f"block_tables must be [{b}, max_blocks] and context_lens [{b}], got "
+                         f"{tuple(block_tables.shape)} and {tuple(context_lens.shape)}")
     if out is None:
         out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 tensor of q's shape {tuple(q.shape)}")
+    if b == 0:
+        return out
+    if validate:
+        lens = context_lens.tolist()
+        if min(lens) < 1 or max(lens) > block_tables.shape[1] * bs:
+            raise ValueError(f"context_lens must be in [1, {block_tables.shape[1] * bs}] (the block table's "
+                             f"{block_tables.shape[1]} blocks of {bs}), got {min(lens)}..{max(lens)}")
+        if block_tables.numel() and (int(block_tables.min()) < 0 or int(block_tables.max()) >= num_blocks):
+            raise ValueError(f"block ids must be in [0, {num_blocks}), got {int(block_tables.min())}.."
+                             f"{int(block_tables.max())}")
     slopes = None
     if alibi_slopes is not None:
         slopes = alibi_slopes.to(device="cpu", dtype=torch.float32).contiguous()
+        if slopes.shape != (h,):
+            raise ValueError(f"alibi_slopes must be [{h}], got {tuple(slopes.shape)}")
     lib.minfer_paged_decode_f32(
         out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         context_lens.data_ptr(), b, h, kvh, d, k_cache.shape[1], block_tables.shape[1], scale,
@@ -134,8 +160,10 @@ class CpuPagedBackend(PagedTorchBackend):
     def _decode(self, layer: Attention, kv, q, ctx: ForwardContext) -> torch.Tensor:
         p = ctx.num_prefills
         tables, lens = ctx.extra.get("decode_tables"), ctx.extra.get("decode_lens")
-        if tables is None:  # once per forward, shared by all layers
+        first = tables is None
+        if first:  # once per forward, shared by all layers
             tables = ctx.extra["decode_tables"] = ctx.block_tables[p:].to(torch.int32).contiguous()
             lens = ctx.extra["decode_lens"] = ctx.context_lens[p:].to(torch.int32).contiguous()
+        # Every layer's pool has the same shape, so the bounds checked at the first layer hold for all.
         return paged_attention_decode_cpu(q.contiguous(), kv[0], kv[1], tables, lens, layer.scale,
-                                          layer.sliding_window, layer.alibi_slopes)
+                                          layer.sliding_window, layer.alibi_slopes, validate=first)
