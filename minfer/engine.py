@@ -11,6 +11,7 @@ does not grow with a Python loop over tokens.
 from __future__ import annotations
 
 import itertools
+import numbers
 import logging
 import time
 from dataclasses import dataclass
@@ -300,8 +301,9 @@ class LLMEngine:
                 return prompt, self.tokenizer.encode(prompt)
             except Exception as e:  # e.g. lone surrogates the tokenizer cannot encode
                 raise ValueError(f"the prompt could not be tokenized: {e}") from None
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return None, list(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                                                     for t in prompt):
+            return None, [int(t) for t in prompt]  # NumPy / torch integer scalars become plain ints
         raise ValueError("prompt must be a string, a list of integer token ids, or a dict with 'prompt' or "
                          f"'prompt_token_ids'; got {type(prompt).__name__}")
 

@@ -142,11 +142,10 @@ class Scheduler:
         return n
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        # The victim is never in this step's batch yet: schedule() preempts the newest running sequence,
+        # which is the one it is placing or one it has not reached (it walks oldest first).
+        assert seq not in batch.seqs, "preempting a sequence already scheduled in this step"
         self.running.remove(seq)
-        if seq in batch.seqs:  # already scheduled this step: give its tokens back
-            j = batch.seqs.index(seq)
-            batch.seqs.pop(j)
-            batch.num_new_tokens.pop(j)
         self.num_preemptions += 1
         batch.num_preempted += 1
         if self.preemption_mode == "swap" and self.bm.can_swap_out(seq):

@@ -63,6 +63,11 @@ def test_vllm_dict_prompts(llm):
     # The simple path takes the same prompt forms.
     f, _ = llm.generate_simple({"prompt_token_ids": ids}, params)
     assert f.outputs[0].token_ids == a.outputs[0].token_ids
+    # NumPy integer ids (e.g. from a tokenizer's numpy output) are plain token ids.
+    import numpy as np
+
+    g = llm.generate([np.array(ids, dtype=np.int64).tolist(), list(np.array(ids, dtype=np.int32))], params)
+    assert all(o.prompt_token_ids == ids and o.outputs[0].token_ids == a.outputs[0].token_ids for o in g)
 
 
 @pytest.mark.parametrize("prompts", [None, 5, b"bytes", 3.5])
