@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -42,7 +43,8 @@ class CpuKernelUnavailable(RuntimeError):
 
 @functools.cache
 def _library() -> ctypes.CDLL:
-    """Build (once per user and source version; cached under ~/.cache/torch_extensions) and load the kernel.
+    """Build (once per checkout and source version; cached under ~/.cache/torch_extensions, or
+    $TORCH_EXTENSIONS_DIR) and load the kernel.
 
     Raises:
         CpuKernelUnavailable: disabled by MINFER_CPU_KERNELS=0, or the build or load failed.
@@ -52,7 +54,10 @@ def _library() -> ctypes.CDLL:
     try:
         from torch.utils.cpp_extension import load
 
-        path = load(name="minfer_paged_decode_cpu", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+        # One build directory per checkout and source version, so that two checkouts (or an old and a new
+        # version) used in turn do not keep rebuilding each other's library.
+        key = hashlib.sha1(f"{SOURCE}\n{CFLAGS}\n".encode() + SOURCE.read_bytes()).hexdigest()[:12]
+        path = load(name=f"minfer_paged_decode_cpu_{key}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
                     extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         lib = ctypes.CDLL(path)
     except Exception as e:  # a missing compiler/ninja shows up as many different exception types
