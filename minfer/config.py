@@ -113,6 +113,9 @@ class EngineArgs:
             raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of CPU memory for swapped KV)")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise bad("attention_backend", "one of " + ", ".join(map(repr, ATTENTION_BACKENDS)))
+        if self.attention_backend == "cpu" and self.dtype in ("bfloat16", "float16"):
+            raise ValueError(f"attention_backend='cpu' runs float32 only; got dtype={self.dtype!r} "
+                             "(use attention_backend='auto' or 'torch' for it)")
         if self.tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} {_NOT_BUILT}")
         if self.pipeline_parallel_size != 1:

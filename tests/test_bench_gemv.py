@@ -31,7 +31,7 @@ def test_gemv_benchmark_reports_every_shape_and_layout(monkeypatch, tmp_path, ca
 def test_gemv_rejects_bad_rows(capsys):
     import pytest
 
-    for bad in ("1,x", "0"):
+    for bad in ("1,x", "0", str(gemv.MAX_ROWS + 1)):
         with pytest.raises(SystemExit):
             gemv.main(["--rows", bad])
         assert "--rows" in capsys.readouterr().err

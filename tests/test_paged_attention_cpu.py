@@ -115,6 +115,16 @@ def test_kernel_rejects_what_it_cannot_read():
     with pytest.raises(ValueError, match="out must be"):
         cpu.paged_attention_decode_cpu(q, kv[0], kv[1], tables, lens, 1.0, out=torch.zeros(1, 4, 9))
     assert cpu.paged_attention_decode_cpu(q[:0], kv[0], kv[1], tables[:0], lens[:0], 1.0).shape == (0, 4, 8)
+    # int64 ids are checked before the int32 cast (2**32 + 1 must not wrap to block 1); floats are refused.
+    with pytest.raises(ValueError, match="block ids"):
+        cpu.paged_attention_decode_cpu(q, kv[0], kv[1], torch.tensor([[2**32 + 1]]), lens, 1.0)
+    with pytest.raises(ValueError, match="context_lens"):
+        cpu.paged_attention_decode_cpu(q, kv[0], kv[1], tables, torch.tensor([2**32 + 1]), 1.0)
+    with pytest.raises(ValueError, match="int32 or int64"):
+        cpu.paged_attention_decode_cpu(q, kv[0], kv[1], tables.float(), lens, 1.0)
+    for window in (-3, 0, True, 2.5):
+        with pytest.raises(ValueError, match="sliding_window"):
+            cpu.paged_attention_decode_cpu(q, kv[0], kv[1], tables, lens, 1.0, sliding_window=window)
 
 
 def test_disabled_kernel_falls_back_or_fails_clearly(monkeypatch, caplog):

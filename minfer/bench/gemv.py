@@ -26,6 +26,7 @@ import torch
 from minfer.bench import best_time
 from minfer.model.layers import Linear, onednn_available
 
+MAX_ROWS = 4096  # a 4096-row step of SmolLM2's whole weight stack already needs ~3 GB of activations
 SHAPES = {"q|k|v": (576, 960), "o_proj": (576, 576), "gate|up": (576, 3072), "down_proj": (1536, 576),
           "lm_head": (576, 49152)}
 
@@ -110,8 +111,8 @@ def main(argv=None) -> int:
         rows = tuple(int(r) for r in args.rows.split(",") if r.strip())
     except ValueError:
         ap.error(f"--rows takes comma-separated integers, got {args.rows!r}")
-    if any(r < 1 for r in rows):
-        ap.error("--rows must be >= 1")
+    if any(r < 1 or r > MAX_ROWS for r in rows):
+        ap.error(f"--rows must be between 1 and {MAX_ROWS}")
     res = run(args.threads, rows=rows)
     print(format_table(res))
     if args.json:

@@ -41,6 +41,19 @@ class CpuKernelUnavailable(RuntimeError):
     """The C++ kernel could not be built or loaded here (the message says why)."""
 
 
+def _cpu_identity() -> str:
+    """The CPU model and its instruction-set flags: code built with -march=native for one CPU may not run on
+    another, so a home directory shared between machines gets one build per kind of CPU."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        import platform
+
+        return f"{platform.machine()} {platform.processor()}"
+
+
 @functools.cache
 def _library() -> ctypes.CDLL:
     """Build (once per checkout and source version; cached under ~/.cache/torch_extensions, or
@@ -56,7 +69,7 @@ def _library() -> ctypes.CDLL:
 
         # One build directory per checkout and source version, so that two checkouts (or an old and a new
         # version) used in turn do not keep rebuilding each other's library.
-        key = hashlib.sha1(f"{SOURCE}\n{CFLAGS}\n".encode() + SOURCE.read_bytes()).hexdigest()[:12]
+        key = hashlib.sha1(f"{SOURCE}\n{CFLAGS}\n{_cpu_identity()}\n".encode() + SOURCE.read_bytes()).hexdigest()[:12]
         path = load(name=f"minfer_paged_decode_cpu_{key}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
                     extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         lib = ctypes.CDLL(path)
@@ -116,10 +129,14 @@ def paged_attention_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if v_cache.shape != k_cache.shape or k_cache.shape[3] != d:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have the same "
                          f"shape, ending in head_dim {d}")
-    if h % kvh or h > MAX_HEADS:
+    if kvh < 1 or h % kvh or h > MAX_HEADS:
         raise ValueError(f"{h} query heads over {kvh} K/V heads: need a multiple of {kvh}, at most {MAX_HEADS}")
-    block_tables = block_tables.to(torch.int32).contiguous()
-    context_lens = context_lens.to(torch.int32).contiguous()
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+    for name, t in (("block_tables", block_tables), ("context_lens", context_lens)):
+        if t.dtype not in (torch.int32, torch.int64) or t.device.type != "cpu":
+            raise ValueError(f"{name} must be an int32 or int64 CPU tensor, got {t.dtype} on {t.device}")
     if block_tables.dim() != 2 or block_tables.shape[0] != b or context_lens.shape != (b,):
         raise ValueError(f"block_tables must be [{b}, max_blocks] and context_lens [{b}], got "
                          f"{tuple(block_tables.shape)} and {tuple(context_lens.shape)}")
@@ -129,7 +146,7 @@ def paged_attention_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         raise ValueError(f"out must be a contiguous float32 tensor of q's shape {tuple(q.shape)}")
     if b == 0:
         return out
-    if validate:
+    if validate:  # on the caller's integers, before the int32 cast could wrap a large one into range
         lens = context_lens.tolist()
         if min(lens) < 1 or max(lens) > block_tables.shape[1] * bs:
             raise ValueError(f"context_lens must be in [1, {block_tables.shape[1] * bs}] (the block table's "
@@ -137,6 +154,8 @@ def paged_attention_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         if block_tables.numel() and (int(block_tables.min()) < 0 or int(block_tables.max()) >= num_blocks):
             raise ValueError(f"block ids must be in [0, {num_blocks}), got {int(block_tables.min())}.."
                              f"{int(block_tables.max())}")
+    block_tables = block_tables.to(torch.int32).contiguous()
+    context_lens = context_lens.to(torch.int32).contiguous()
     slopes = None
     if alibi_slopes is not None:
         slopes = alibi_slopes.to(device="cpu", dtype=torch.float32).contiguous()
