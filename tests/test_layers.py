@@ -11,11 +11,8 @@ from minfer.model.layers import (Linear, TiedEmbedding, default_linear_layout, o
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN")
 
 
-@pytest.mark.parametrize("in_f,out_f", [(16, 48), (48, 16), (24, 24), (10, 15)])
-@pytest.mark.parametrize("splits", [1, 2, 3])
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("tokens", [1, 7])
-def test_repacked_linear_equals_f_linear(in_f, out_f, splits, bias, tokens):
+def _loaded(in_f, out_f, bias, tokens):
+    """A Linear loaded with random weights, an input of `tokens` rows, and what F.linear gives for it."""
     torch.manual_seed(0)
     lin = Linear(in_f, out_f, bias=bias)
     w, b = torch.randn(out_f, in_f), torch.randn(out_f)
@@ -23,7 +20,15 @@ def test_repacked_linear_equals_f_linear(in_f, out_f, splits, bias, tokens):
     if bias:
         lin.weight_loader(lin.bias, b)
     x = torch.randn(tokens, in_f)
-    expected = F.linear(x, w, b if bias else None)
+    return lin, w, x, F.linear(x, w, b if bias else None)
+
+
+@pytest.mark.parametrize("in_f,out_f", [(16, 48), (48, 16), (24, 24), (10, 15)])
+@pytest.mark.parametrize("splits", [1, 2, 3])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_repacked_linear_equals_f_linear(in_f, out_f, splits, bias, tokens):
+    lin, w, x, expected = _loaded(in_f, out_f, bias, tokens)
     torch.testing.assert_close(lin(x), expected)
     lin.process_weights_after_loading(splits)
     assert lin.k_major == (out_f >= in_f)
@@ -42,14 +47,7 @@ def test_repacked_linear_equals_f_linear(in_f, out_f, splits, bias, tokens):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("tokens", [1, 2, 130])
 def test_onednn_linear_equals_f_linear(layout, in_f, out_f, bias, tokens):
-    torch.manual_seed(0)
-    lin = Linear(in_f, out_f, bias=bias)
-    w, b = torch.randn(out_f, in_f), torch.randn(out_f)
-    lin.weight_loader(lin.weight, w)
-    if bias:
-        lin.weight_loader(lin.bias, b)
-    x = torch.randn(tokens, in_f)
-    expected = F.linear(x, w, b if bias else None)
+    lin, w, x, expected = _loaded(in_f, out_f, bias, tokens)
     lin.process_weights_after_loading(splits=2, layout=layout)
     assert lin.layout == layout and (lin.weight if layout == "onednn" else lin._onednn).is_mkldnn
     torch.testing.assert_close(lin(x), expected, rtol=1e-5, atol=1e-5)

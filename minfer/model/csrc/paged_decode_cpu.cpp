@@ -32,6 +32,19 @@
 
 constexpr int64_t kMaxHeadsPerItem = 256;  // query heads per work item (checked in Python)
 
+// Calls fn(i, row) for each visible token t = first + i of [first, len), with `row` pointing at that token's
+// K (or V) of head `offset / D`: token t lives at offset t % block_size of block table[t / block_size], and
+// the tokens of one block lie back to back, `token_stride` floats apart.
+template <typename Fn>
+static inline void for_each_token(const float* cache, const int32_t* table, int64_t first, int64_t len,
+                                  int64_t block_size, int64_t token_stride, int64_t offset, Fn&& fn) {
+  for (int64_t t = first; t < len;) {
+    const int64_t blk = t / block_size, end = std::min(len, (blk + 1) * block_size);
+    const float* row = cache + ((int64_t)table[blk] * block_size + t % block_size) * token_stride + offset;
+    for (; t < end; ++t, row += token_stride) fn(t - first, row);
+  }
+}
+
 // kHeadDim > 0: the head size is a compile-time constant, so the compiler unrolls the loops over it into
 // a few full-width vector instructions (the common sizes get their own copy); 0: any head size.
 template <int64_t kHeadDim>
@@ -72,25 +85,20 @@ static void paged_decode(
       scores.resize(nh * n);  // row h: the scores of query head kv0*G + h
       std::fill(acc.begin(), acc.end(), 0.f);
 
-      // 1. scores, block by block: token t lives at offset t % block_size of block table[t / block_size].
-      //    The G query heads of a group read the same K/V head (Hugging Face's GQA order: head h -> h / G).
-      for (int64_t t = first; t < len;) {
-        const int64_t blk = t / block_size, end = std::min(len, (blk + 1) * block_size);
-        const float* k = k_cache + ((int64_t)table[blk] * block_size + t % block_size) * token_stride + kv0 * D;
-        for (; t < end; ++t, k += token_stride) {
-          for (int64_t kv = 0; kv < kv_per_item; ++kv) {
-            const float* kh = k + kv * D;
-            for (int64_t g = 0; g < G; ++g) {
-              const int64_t h = kv * G + g;
-              const float* qh = qb + h * D;
-              float s = 0.f;
+      // 1. scores. The G query heads of a group read the same K/V head (Hugging Face's GQA order: h -> h / G).
+      for_each_token(k_cache, table, first, len, block_size, token_stride, kv0 * D, [&](int64_t i, const float* k) {
+        for (int64_t kv = 0; kv < kv_per_item; ++kv) {
+          const float* kh = k + kv * D;
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t h = kv * G + g;
+            const float* qh = qb + h * D;
+            float s = 0.f;
 #pragma omp simd reduction(+ : s)
-              for (int64_t d = 0; d < D; ++d) s += qh[d] * kh[d];
-              scores[h * n + (t - first)] = s * scale;
-            }
+            for (int64_t d = 0; d < D; ++d) s += qh[d] * kh[d];
+            scores[h * n + i] = s * scale;
           }
         }
-      }
+      });
       if (alibi_slopes)  // ALiBi: a bias growing with the distance to the query (at position len - 1)
         for (int64_t h = 0; h < nh; ++h)
           for (int64_t i = 0; i < n; ++i) scores[h * n + i] -= alibi_slopes[kv0 * G + h] * (float)(n - 1 - i);
@@ -111,22 +119,18 @@ static void paged_decode(
       }
 
       // 3. weighted sum of the values, read through the same block table.
-      for (int64_t t = first; t < len;) {
-        const int64_t blk = t / block_size, end = std::min(len, (blk + 1) * block_size);
-        const float* v = v_cache + ((int64_t)table[blk] * block_size + t % block_size) * token_stride + kv0 * D;
-        for (; t < end; ++t, v += token_stride) {
-          for (int64_t kv = 0; kv < kv_per_item; ++kv) {
-            const float* vh = v + kv * D;
-            for (int64_t g = 0; g < G; ++g) {
-              const int64_t h = kv * G + g;
-              const float p = scores[h * n + (t - first)];
-              float* a = acc.data() + h * D;
+      for_each_token(v_cache, table, first, len, block_size, token_stride, kv0 * D, [&](int64_t i, const float* v) {
+        for (int64_t kv = 0; kv < kv_per_item; ++kv) {
+          const float* vh = v + kv * D;
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t h = kv * G + g;
+            const float p = scores[h * n + i];
+            float* a = acc.data() + h * D;
 #pragma omp simd
-              for (int64_t d = 0; d < D; ++d) a[d] += p * vh[d];
-            }
+            for (int64_t d = 0; d < D; ++d) a[d] += p * vh[d];
           }
         }
-      }
+      });
       for (int64_t h = 0; h < nh; ++h)
         for (int64_t d = 0; d < D; ++d) ob[h * D + d] = acc[h * D + d] * inv_sum[h];
     }
