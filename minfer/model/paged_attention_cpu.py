@@ -1,12 +1,12 @@
-"""Decode attention that reads the paged pool in place, on the CPU (chapter 3, "Reading the pool without
-copying it"; chapter 6 measures what it buys the engine).
+"""Decode attention that reads the paged pool in place, on the CPU (chapter 6 §6.5 and notebook 06 §5c;
+the pool and its block tables are chapter 3's).
 
 The plain-torch `PagedTorchBackend` gathers each decode sequence's blocks into a padded tensor and then
 calls SDPA, so every K/V byte crosses the memory bus three times; in a wide decode step that is most of
 the attention time. `csrc/paged_decode_cpu.cpp` walks the block table itself (vLLM's PagedAttention idea,
 Kwon et al. 2023, on a CPU): each byte is read once, and the query heads that share a K/V head (GQA) are
 done together. It is about 100 lines of plain C++ with OpenMP; this module builds it with torch's
-extension builder (`torch.utils.cpp_extension.load`: ninja, a per-user cache, a lock between processes)
+extension builder (`torch.utils.cpp_extension.load`: ninja, a build cache, a lock between processes)
 and calls it through `ctypes` with the tensors' data pointers, so the C++ needs no torch headers and builds
 in about a second.
 

@@ -1,5 +1,5 @@
-// Decode attention read in place from the paged KV pool, on the CPU (chapter 3, §"Reading the pool
-// without copying it").
+// Decode attention read in place from the paged KV pool, on the CPU (chapter 6 §6.5, notebook 06 §5c;
+// the pool and its block tables are chapter 3's).
 //
 // One query token per sequence. The torch reference (PagedTorchBackend) first gathers each sequence's
 // blocks into a padded [B, L, KVH, D] tensor and then calls SDPA: the K/V bytes cross the memory bus three
@@ -7,16 +7,16 @@
 // so every K/V byte is read exactly once, and it does the three query heads that share a K/V head (GQA)
 // together, so each key is loaded once for all of them.
 //
-// Work item = (sequence b, K/V head kvh); items are independent, so OpenMP hands them to the threads.
-// Per item, three plain loops over the keys the query may see (its context, or the last `window` of it):
+// Work item = one sequence and some of its K/V heads (all of them when there are enough sequences to keep
+// every thread busy); items are independent, so OpenMP hands them to the threads. Per item, three plain loops over the keys the query may see (its context, or the last `window` of it):
 //   1. scores[g][t] = scale * q[g] . k[t]  (+ ALiBi bias)
 //   2. softmax of each row of scores (max, exp, sum)
 //   3. out[g] = sum_t p[g][t] * v[t] / sum
 // A sequence's scores fit in L1/L2 (3 heads x 1k keys x 4 B = 12 KB), so "all scores, then the softmax"
-// costs nothing extra and needs no online-softmax bookkeeping (the GPU kernel in paged_decode.py does
+// costs nothing extra and needs no online-softmax bookkeeping (the GPU kernel in minfer/kernels/paged_decode.py does
 // need it: there a program only sees one tile of keys at a time).
 //
-// Layout contract (checked on the Python side, minfer/kernels/cpu.py):
+// Layout contract (checked on the Python side, minfer/model/paged_attention_cpu.py):
 //   q, out         float32 [B, H, D], contiguous
 //   k_cache, v_cache float32 [num_blocks, block_size, KVH, D], contiguous
 //   block_tables   int32 [B, max_blocks], contiguous; context_lens int32 [B]
