@@ -76,14 +76,15 @@ class SamplingParams:
         if (not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool)
                 or not 0 <= self.temperature < float("inf")):
             raise bad("temperature", "a finite number >= 0 (0 means greedy)")
-        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or (self.top_k < 1 and self.top_k != -1):
             raise bad("top_k", "-1 (disabled) or an integer >= 1")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0 < self.top_p <= 1:
             raise bad("top_p", "in (0, 1]")
-        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+        if not isinstance(self.min_p, (int, float)) or isinstance(self.min_p, bool) or not 0 <= self.min_p <= 1:
             raise bad("min_p", "in [0, 1]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "an integer or None")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not -2 ** 63 <= self.seed < 2 ** 64):
+            raise bad("seed", "an integer in [-2**63, 2**64) or None (torch.Generator's range)")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
                                             or self.max_tokens < 1):
             raise bad("max_tokens", "an integer >= 1 or None")

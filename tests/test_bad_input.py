@@ -21,6 +21,8 @@ def assert_clean(llm):
     (dict(n=10 ** 9), "n"), (dict(n=True), "n"), (dict(logprobs=10 ** 6), "logprobs"),
     (dict(temperature=float("inf")), "temperature"), (dict(temperature=float("nan")), "temperature"),
     (dict(stop=5), "stop"), (dict(stop_token_ids=5), "stop_token_ids"), (dict(max_tokens=True), "max_tokens"),
+    (dict(seed=True), "seed"), (dict(seed=2 ** 64), "seed"), (dict(top_p=True), "top_p"), (dict(top_k=True), "top_k"),
+    (dict(min_p=False), "min_p"),
 ])
 def test_sampling_params_bounds(kwargs, field):
     with pytest.raises(ValueError, match=field):
