@@ -675,6 +675,8 @@ def build_app(engine, served_model_names: list[str] | str | None = None, api_key
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise APIError(400, f"request body is not valid JSON: {exc}") from None
+        except RecursionError:  # e.g. [[[[...]]]] thousands deep: valid JSON, but nothing a request needs
+            raise APIError(400, "request body is nested too deeply") from None
         if not isinstance(body, dict):
             raise APIError(400, "request body must be a JSON object")
         return body
