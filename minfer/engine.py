@@ -11,8 +11,8 @@ does not grow with a Python loop over tokens.
 from __future__ import annotations
 
 import itertools
-import numbers
 import logging
+import numbers
 import time
 from dataclasses import dataclass
 

@@ -12,6 +12,7 @@ engine is tested against.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import fields
 
 from tqdm.auto import tqdm
@@ -68,7 +69,7 @@ class LLM:
             TypeError: `prompts` is none of the forms above.
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
-                                               and isinstance(prompts[0], int)):
+                                               and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise TypeError("prompts must be a string, a list of token ids, a dict with 'prompt' or "

@@ -40,11 +40,10 @@ def _layer(in_f: int, out_f: int, splits: int, layout: str) -> Linear:
 
 
 @torch.inference_mode()
-def measure(in_f: int, out_f: int, splits: int, copies: int = 30, repeats: int = 7, layout: str = "split") -> float:
-    """GB/s of float32 weight bytes streamed by `copies` matrix-vector products; `splits=0` is nn.Linear's
-    layout, `splits>=1` the repacked one (see `Linear.process_weights_after_loading`), `layout="onednn"`
-    oneDNN's."""
-    layers = [_layer(in_f, out_f, splits, layout if splits or layout == "onednn" else "nn") for _ in range(copies)]
+def measure(in_f: int, out_f: int, layout: str, splits: int = 1, copies: int = 30, repeats: int = 7) -> float:
+    """GB/s of float32 weight bytes streamed by `copies` matrix-vector products in `layout` ("nn", "split"
+    with `splits` column slices, "onednn"; see `Linear.process_weights_after_loading`)."""
+    layers = [_layer(in_f, out_f, splits, layout) for _ in range(copies)]
     x = torch.randn(1, in_f)
     t = best_time(lambda: [lin(x) for lin in layers], repeats)
     return copies * in_f * out_f * 4 / t / 1e9
@@ -71,10 +70,11 @@ def run(threads: int | None = None, repeats: int = 7, rows: tuple[int, ...] = ()
     shapes = {}
     for name, (i, o) in SHAPES.items():
         copies = 1 if name == "lm_head" else 30  # one lm_head is already 113 MB
-        base, longer, split = (measure(i, o, s, copies, repeats) for s in (0, 1, n))
+        base, longer, split = (measure(i, o, lay, s, copies, repeats)
+                               for lay, s in (("nn", 1), ("split", 1), ("split", n)))
         shapes[name] = {"in": i, "out": o, "nn_linear_GBps": base, "longer_side_GBps": longer, "split_GBps": split}
         if onednn:
-            shapes[name]["onednn_GBps"] = measure(i, o, 1, copies, repeats, layout="onednn")
+            shapes[name]["onednn_GBps"] = measure(i, o, "onednn", copies=copies, repeats=repeats)
     layouts = ("nn", "split") + (("onednn",) if onednn else ())
     by_rows = {str(r): {lay: measure_rows(r, lay, n) for lay in layouts} for r in rows}
     return {"threads": n, "shapes": shapes, "rows": by_rows}

@@ -9,6 +9,8 @@ chapters swap these modules for quantized or tensor-parallel ones with the same 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -180,8 +182,6 @@ LINEAR_LAYOUTS = ("hybrid", "onednn", "split", "nn")
 def default_linear_layout(model: nn.Module) -> str:
     """The layout `process_weights_after_loading(model)` picks: `MINFER_LINEAR_LAYOUT` if set, else "nn" on a
     GPU, "hybrid" for float32 on a CPU with oneDNN, "split" otherwise. Raises ValueError for a bad override."""
-    import os
-
     forced = os.environ.get("MINFER_LINEAR_LAYOUT")
     if forced:
         if forced not in LINEAR_LAYOUTS:
