@@ -7,10 +7,39 @@ field names are vLLM's engine-argument names, so the article's vLLM command maps
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # what each is: minfer/attention/selector.py
+
+# The one table of dtype names: name -> (torch dtype name or None, bytes per element). Model weights and
+# activations take the float names (MODEL_DTYPES); the memory formulas of the chapters take all of them.
+DTYPES = {
+    "float32": ("float32", 4), "float": ("float32", 4), "fp32": ("float32", 4),
+    "float16": ("float16", 2), "half": ("float16", 2), "fp16": ("float16", 2),
+    "bfloat16": ("bfloat16", 2), "bf16": ("bfloat16", 2),
+    "int8": ("int8", 1),
+    "fp8": ("float8_e4m3fn", 1), "fp8_e4m3": ("float8_e4m3fn", 1), "float8_e4m3fn": ("float8_e4m3fn", 1),
+    "fp8_e5m2": ("float8_e5m2", 1), "float8_e5m2": ("float8_e5m2", 1),
+    "int4": (None, 0.5),
+}
+MODEL_DTYPES = tuple(n for n, (t, _) in DTYPES.items() if t in ("float32", "float16", "bfloat16"))
+
+
+def torch_dtype(name: str):
+    """The torch dtype of a name of `DTYPES` ("bf16" -> torch.bfloat16); a torch dtype passes through.
+
+    Raises:
+        ValueError: an unknown name, or one with no torch dtype ("int4").
+    """
+    import torch
+
+    if isinstance(name, torch.dtype):
+        return name
+    key = str(name).removeprefix("torch.").lower()
+    if key not in DTYPES or DTYPES[key][0] is None:
+        raise ValueError(f"unknown dtype {name!r}; known: {sorted(n for n, (t, _) in DTYPES.items() if t)}")
+    return getattr(torch, DTYPES[key][0])
 
 # Features that have a flag but no implementation yet: starting with them set stops with this message,
 # so that no flag is silently ignored.
@@ -38,9 +67,11 @@ class EngineArgs:
         preemption_mode: "recompute" or "swap" (swap needs swap_space > 0).
         attention_backend: "auto" (default: "cpu" for a float32 model on the CPU when its C++ kernel builds,
             else "torch"), "torch" (the plain-torch reference), "cpu" (decode attention by the C++ kernel of
-            `minfer.model.paged_attention_cpu`; an error where it cannot be built) or "triton"
+            `minfer.attention.cpu`; an error where it cannot be built) or "triton"
             (FlashAttention + paged decode kernels).
-        enforce_eager: accepted for vLLM compatibility; minfer always runs eagerly.
+        enforce_eager: vLLM's switch that turns off CUDA-graph capture of decode steps. minfer captures no
+            graphs yet, so it runs eagerly either way and the flag changes nothing (on a CPU there are no
+            graphs to capture at all); it is accepted so the article's vLLM command runs unchanged.
         tensor_parallel_size, pipeline_parallel_size, quantization, kv_cache_dtype: later chapters.
     """
 
@@ -91,7 +122,7 @@ class EngineArgs:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
                 raise bad(name, "a finite number")
-        if self.dtype not in ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32"):
+        if self.dtype != "auto" and self.dtype not in MODEL_DTYPES:
             raise bad("dtype", "one of auto, float32, bfloat16, float16")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise bad("max_model_len", "an integer >= 1")
@@ -124,24 +155,26 @@ class EngineArgs:
             raise ValueError(f"quantization={self.quantization!r} {_NOT_BUILT}")
         if self.kv_cache_dtype not in ("auto",):
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} {_NOT_BUILT}")
+        if self.device is not None:  # checked here, not left to torch's AssertionError deep inside loading
+            import re
 
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
+            import torch
 
-
-# Architectures minfer's decoder implements, and what distinguishes each from plain Llama.
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": dict(qkv_bias=None, qk_norm=False),
-    "MistralForCausalLM": dict(qkv_bias=None, qk_norm=False),
-    "Qwen2ForCausalLM": dict(qkv_bias=True, qk_norm=False),
-    "Qwen3ForCausalLM": dict(qkv_bias=None, qk_norm=True),
-}
+            cuda = re.fullmatch(r"cuda(?::(\d+))?", str(self.device))
+            if str(self.device) != "cpu" and cuda is None:
+                raise bad("device", "None (the default), 'cpu', 'cuda' or 'cuda:N'")
+            if cuda is not None and not torch.cuda.is_available():
+                raise ValueError(f"device={self.device!r}, but this torch ({torch.__version__}) finds no CUDA device "
+                                 "(a CPU-only build, or no GPU visible): use device='cpu' or leave it unset")
+            if cuda is not None and cuda.group(1) is not None and int(cuda.group(1)) >= torch.cuda.device_count():
+                raise ValueError(f"device={self.device!r}, but torch finds {torch.cuda.device_count()} CUDA "
+                                 "device(s), numbered from 0")
 
 
 @dataclass
 class ModelConfig:
-    """The model's shape, read from a Hugging Face `config.json` (or GGUF metadata).
+    """The model's shape, read from a Hugging Face `config.json` (or GGUF metadata) by the architecture's
+    config adapter (`minfer.model.registry`).
 
     Attribute names are Hugging Face's, so `memory.kv_cache_bytes` and the chapters can use any config.
     `rope_scaling` is the dict of HF's `rope_scaling` / `rope_parameters` (with `rope_type`), or None.
@@ -170,65 +203,3 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple = ()
     torch_dtype: str | None = None
-
-    @classmethod
-    def from_hf_dict(cls, d: dict, source: str = "config.json") -> "ModelConfig":
-        """Build from a parsed HF config dict; handles both `rope_theta`+`rope_scaling` (transformers 4)
-        and `rope_parameters` (transformers 5).
-
-        Raises:
-            ValueError: unknown architecture or a missing required field (message names `source`).
-        """
-        archs = d.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-            arch = by_type.get(d.get("model_type", ""))
-        if arch is None:
-            raise ValueError(
-                f"{source}: unsupported architecture {archs or d.get('model_type')!r}; "
-                f"minfer implements {sorted(SUPPORTED_ARCHITECTURES)}")
-        try:
-            n_heads = d["num_attention_heads"]
-            hidden = d["hidden_size"]
-            n_layers = d["num_hidden_layers"]
-            inter = d["intermediate_size"]
-            vocab = d["vocab_size"]
-        except KeyError as e:
-            raise ValueError(f"{source}: missing required field {e.args[0]!r}") from None
-        head_dim = d.get("head_dim") or hidden // n_heads
-        rope = d.get("rope_parameters") or {}
-        if "rope_theta" in rope and not isinstance(rope.get("rope_theta"), dict):
-            theta = rope["rope_theta"]
-        else:
-            theta = d.get("rope_theta", 10000.0)
-        scaling = dict(d.get("rope_scaling") or rope or {})
-        scaling.pop("rope_theta", None)
-        if "type" in scaling and "rope_type" not in scaling:
-            scaling["rope_type"] = scaling.pop("type")
-        if scaling.get("rope_type", "default") == "default":
-            scaling = None
-        traits = SUPPORTED_ARCHITECTURES[arch]
-        qkv_bias = traits["qkv_bias"] if traits["qkv_bias"] is not None else bool(d.get("attention_bias", False))
-        o_bias = bool(d.get("attention_bias", False)) and arch != "Qwen2ForCausalLM"
-        window = d.get("sliding_window")
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not d.get("use_sliding_window", False):
-            window = None
-        layer_types = d.get("layer_types")
-        if window and layer_types:
-            windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
-        else:
-            windows = tuple([window] * n_layers)
-        eos = d.get("eos_token_id")
-        eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-        return cls(
-            architecture=arch, vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
-            num_hidden_layers=n_layers, num_attention_heads=n_heads,
-            num_key_value_heads=d.get("num_key_value_heads") or n_heads, head_dim=head_dim,
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=scaling,
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), qkv_bias=qkv_bias, o_bias=o_bias,
-            mlp_bias=bool(d.get("mlp_bias", False)), qk_norm=traits["qk_norm"], layer_windows=windows,
-            hidden_act=d.get("hidden_act", "silu"), bos_token_id=d.get("bos_token_id"), eos_token_ids=eos,
-            torch_dtype=d.get("torch_dtype") or d.get("dtype"))

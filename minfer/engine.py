@@ -1,11 +1,12 @@
 """`LLMEngine`: requests in, tokens out, one scheduling step at a time (vLLM's engine, in small).
 
-    add_request ─► Scheduler.schedule ─► ModelRunner.execute ─► Sampler ─► Sequence.append_token ─► step()
-                   (who runs, which blocks)  (one forward over a flat batch)   (stop checks, detokenize)
+    add_request ─► Scheduler.schedule ─► executor.execute_model ─► Sequence.append_token ─► OutputProcessor
+     (tokenize)    (who runs, which blocks)   (worker: one forward       (stop ids, length)    (detokenize,
+                                               + sampling)                                       stop strings)
 
-The model runner turns a `ScheduledBatch` into flat `input_ids`/`positions` and one `ForwardContext`
-(`cu_seqlens`, `slot_mapping`, `block_tables`, `context_lens`), built with tensor ops so the per-step cost
-does not grow with a Python loop over tokens.
+The engine is the tokenizer, the scheduler (with its block manager) and an executor; the executor's worker
+holds the model, the KV pool, the attention backend and the sampler (`minfer.worker`), and turns each
+`ScheduledBatch` into one forward.
 """
 
 from __future__ import annotations
@@ -19,15 +20,16 @@ from dataclasses import dataclass
 import torch
 
 from minfer.block_manager import BlockManager
-from minfer.config import EngineArgs
-from minfer.kv_cache import KVCachePool, bytes_per_block, determine_num_blocks
+from minfer.config import EngineArgs, ModelConfig
+from minfer.detokenizer import OutputProcessor
+from minfer.executor import UniProcExecutor
+from minfer.kv_cache import bytes_per_block, determine_num_blocks
 from minfer.memory import physical_memory_bytes
-from minfer.model.attention import ForwardContext, PagedTorchBackend
-from minfer.model.loader import load_model, resolve_model
+from minfer.model.gguf import gguf_cache_path
+from minfer.model.sources import resolve_model
 from minfer.outputs import RequestMetrics, RequestOutput
-from minfer.sampling import Sampler
 from minfer.sampling_params import SamplingParams
-from minfer.scheduler import ScheduledBatch, Scheduler
+from minfer.scheduler import Scheduler
 from minfer.sequence import Sequence, validate_prompt
 from minfer.tokenizer import Tokenizer, load_tokenizer
 
@@ -59,11 +61,19 @@ class EngineStats:
 
 @dataclass
 class ModelConfigView:
-    """What callers need to know of the loaded model (served name, length limit, dtype)."""
+    """What callers need to know of the loaded model: its length limit, dtype, and shape (`config`)."""
 
     max_model_len: int
     dtype: torch.dtype
-    architecture: str
+    config: ModelConfig
+
+    @property
+    def architecture(self) -> str:
+        return self.config.architecture
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
 
 
 class _Request:
@@ -82,72 +92,6 @@ class _Request:
                              metrics=self.metrics)
 
 
-class ModelRunner:
-    """Runs one forward over a `ScheduledBatch` and samples where a sequence reached its end."""
-
-    def __init__(self, model, pool: KVCachePool, block_size: int, sampler: Sampler, backend):
-        self.model = model
-        self.pool = pool
-        self.block_size = block_size
-        self.sampler = sampler
-        self.backend = backend
-        self.device = next(model.parameters()).device
-        self.build_time_s = 0.0  # time spent turning batches into tensors (part of the scheduling overhead)
-
-    def build_context(self, batch: ScheduledBatch) -> tuple[torch.Tensor, ForwardContext, list[int]]:
-        """Flat input ids and the ForwardContext of a batch; also which batch rows sample this step."""
-        dev = self.device
-        seqs, counts = batch.seqs, batch.num_new_tokens
-        ids: list[int] = []
-        for s, n in zip(seqs, counts):
-            a = s.num_computed_tokens
-            if n == 1 and s.output_token_ids and a == len(s) - 1:
-                ids.append(s.output_token_ids[-1])  # decode: no list concatenation
-            else:
-                ids.extend(s.all_token_ids[a:a + n])
-        starts = torch.tensor([s.num_computed_tokens for s in seqs], dtype=torch.long)
-        n_t = torch.tensor(counts, dtype=torch.long)
-        cu_q = torch.zeros(len(seqs) + 1, dtype=torch.long)
-        torch.cumsum(n_t, 0, out=cu_q[1:])
-        seq_idx = torch.repeat_interleave(torch.arange(len(seqs)), n_t)
-        positions = starts[seq_idx] + torch.arange(int(cu_q[-1])) - cu_q[:-1][seq_idx]
-        context_lens = starts + n_t
-        max_blocks = max(len(s.block_table) for s in seqs)
-        tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs],
-                              dtype=torch.int32)
-        slots = tables[seq_idx, positions // self.block_size].long() * self.block_size + positions % self.block_size
-        num_prefills = sum(1 for n in counts if n > 1)
-        n_pt = int(cu_q[num_prefills])
-        sample_rows = [j for j, s in enumerate(seqs) if s.num_computed_tokens + counts[j] == len(s)]
-        logits_indices = (cu_q[1:] - 1)[sample_rows]
-        ctx = ForwardContext(
-            attn_backend=self.backend, positions=positions.to(dev), num_prefills=num_prefills,
-            num_prefill_tokens=n_pt,
-            cu_seqlens_q=cu_q[:num_prefills + 1].to(torch.int32).to(dev),
-            cu_seqlens_k=torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(context_lens[:num_prefills], 0)]
-                                   ).to(torch.int32).to(dev),
-            max_seqlen_q=int(n_t[:num_prefills].max()) if num_prefills else 0,
-            max_seqlen_k=int(context_lens[:num_prefills].max()) if num_prefills else 0,
-            slot_mapping=slots.to(dev), block_tables=tables.to(dev), context_lens=context_lens.to(torch.int32).to(dev),
-            logits_indices=logits_indices.to(dev))
-        return torch.tensor(ids, dtype=torch.long, device=dev), ctx, sample_rows
-
-    @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch):
-        """Swap blocks, run the forward, sample. Returns (rows that sampled, tokens, logprobs, top dicts)."""
-        self.pool.swap_out(batch.swap_out)
-        self.pool.swap_in(batch.swap_in)
-        t0 = time.perf_counter()
-        input_ids, ctx, rows = self.build_context(batch)
-        self.build_time_s += time.perf_counter() - t0
-        hidden = self.model(input_ids, ctx)
-        if not rows:
-            return rows, None, None, None
-        logits = self.model.compute_logits(hidden[ctx.logits_indices])
-        tokens, chosen, tops = self.sampler(logits, [batch.seqs[j] for j in rows])
-        return rows, tokens.tolist(), (None if chosen is None else chosen.tolist()), tops
-
-
 class LLMEngine:
     """The serving engine: a scheduler over a paged KV pool, driving the model one step at a time.
 
@@ -158,16 +102,15 @@ class LLMEngine:
         args.verify()
         self.args = args
         t0 = time.perf_counter()
-        loaded = load_model(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
-        self.model = loaded.model
-        self.device = next(self.model.parameters()).device
-        cfg = loaded.config
-        self.hf_config = cfg
+        self.executor = UniProcExecutor(args)
+        worker = self.executor.driver_worker
+        cfg, self.device = worker.config, worker.device
         self.model_name = args.model
-        tok_source = resolve_model(args.tokenizer) if args.tokenizer else loaded.source
-        self.tokenizer: Tokenizer = load_tokenizer(tok_source, loaded.eos_token_ids)
+        tok_source = resolve_model(args.tokenizer) if args.tokenizer else worker.source
+        cache = gguf_cache_path(tok_source.path) / "tokenizer" if tok_source.kind == "gguf" else None
+        self.tokenizer: Tokenizer = load_tokenizer(tok_source, worker.eos_token_ids, cache_dir=cache)
         max_len = args.max_model_len or cfg.max_position_embeddings
-        self.model_config = ModelConfigView(max_model_len=max_len, dtype=loaded.dtype, architecture=cfg.architecture)
+        self.model_config = ModelConfigView(max_model_len=max_len, dtype=worker.dtype, config=cfg)
         self.max_model_len = max_len
         mnbt = args.max_num_batched_tokens or (2048 if args.enable_chunked_prefill else max(max_len, 2048))
         if not args.enable_chunked_prefill and mnbt < max_len:
@@ -176,81 +119,42 @@ class LLMEngine:
                 "prefill a long prompt could never be scheduled. Raise it or set enable_chunked_prefill=True.")
         self.max_num_batched_tokens = mnbt
         if self.device.type == "cuda":
-            self._profile_forward(mnbt)
-        num_blocks = determine_num_blocks(cfg, args.block_size, loaded.dtype, self.device, args.kv_cache_memory_bytes,
+            self.executor.profile_forward(min(mnbt, max_len))
+        num_blocks = determine_num_blocks(cfg, args.block_size, worker.dtype, self.device, args.kv_cache_memory_bytes,
                                           args.gpu_memory_utilization, max_len)
-        per_block = bytes_per_block(cfg, args.block_size, loaded.dtype)
+        per_block = bytes_per_block(cfg, args.block_size, worker.dtype)
         num_cpu_blocks = int(args.swap_space * (1 << 30)) // per_block
         ram = physical_memory_bytes()
         if args.swap_space * (1 << 30) > ram:
             raise ValueError(f"swap_space={args.swap_space} GiB is more than this machine's memory "
                              f"({ram / (1 << 30):.1f} GiB); lower swap_space")
-        self.pool = KVCachePool(cfg, num_blocks, args.block_size, loaded.dtype, self.device, num_cpu_blocks)
+        self.executor.init_kv_cache(num_blocks, num_cpu_blocks)
         self.block_manager = BlockManager(num_blocks, args.block_size, num_cpu_blocks, args.enable_prefix_caching)
         mode = args.preemption_mode or ("swap" if num_cpu_blocks else "recompute")
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, mnbt, args.enable_chunked_prefill, mode)
-        self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(args.seed)
-        backend = self._make_backend(args.attention_backend)
-        if args.attention_backend == "triton":
-            from minfer.kernels.backend import TritonSampler
-
-            sampler = TritonSampler(self.generator)  # fused_sample where a batch allows it
-        else:
-            sampler = Sampler(self.generator)
-        self.runner = ModelRunner(self.model, self.pool, args.block_size, sampler, backend)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._prompt_tokens = self._gen_tokens = self._steps = 0
         self._sched_time = self._fwd_time = 0.0
         logger.info("loaded %s (%s) in %.1fs; KV pool %d blocks x %d tokens = %d tokens, %d bytes; attention %s",
-                    args.model, loaded.dtype, time.perf_counter() - t0, num_blocks, args.block_size,
-                    num_blocks * args.block_size, self.pool.nbytes, type(backend).__name__)
+                    args.model, worker.dtype, time.perf_counter() - t0, num_blocks, args.block_size,
+                    num_blocks * args.block_size, worker.pool.nbytes, type(worker.backend).__name__)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         return cls(args)
 
-    def _make_backend(self, name: str):
-        """The attention backend for `attention_backend=name` (see EngineArgs); "auto" picks the C++ decode
-        kernel for a float32 pool on the CPU and falls back to the torch reference, with a warning, when the
-        kernel cannot be built. Raises ValueError for "cpu" where it cannot run."""
-        if name == "triton":
-            from minfer.kernels.backend import TritonBackend, install_fused_ops
-
-            install_fused_ops(self.model)  # RMSNorm, SiLU-and-mul, RoPE -> fused kernels (this model only)
-            return TritonBackend(self.pool.layers)
-        cpu_f32 = self.device.type == "cpu" and self.model_config.dtype == torch.float32
-        if name == "cpu" or (name == "auto" and cpu_f32):
-            from minfer.model.paged_attention_cpu import CpuKernelUnavailable, CpuPagedBackend
-
-            try:
-                return CpuPagedBackend(self.pool.layers)
-            except CpuKernelUnavailable as e:
-                if name == "cpu":
-                    raise ValueError(f"attention_backend='cpu' cannot run here: {e}") from e
-                logger.warning("the C++ decode-attention kernel is unavailable (%s); using the torch reference", e)
-        return PagedTorchBackend(self.pool.layers)
-
-    def _profile_forward(self, num_tokens: int) -> None:
-        """On CUDA, run one forward at the largest batch so the peak activation memory is measured before the
-        KV pool takes the rest (vLLM's profile run)."""
-        from minfer.model.attention import ContiguousKVCache
-
-        cfg = self.hf_config
-        n = min(num_tokens, self.max_model_len)
-        cache = ContiguousKVCache(cfg.num_hidden_layers, n, cfg.num_key_value_heads, cfg.head_dim,
-                                  self.model_config.dtype, self.device)
-        with torch.inference_mode():
-            ids = torch.zeros(n, dtype=torch.long, device=self.device)
-            self.model(ids, ForwardContext(cache, positions=torch.arange(n, device=self.device)))
-        del cache
-        torch.cuda.synchronize()
+    @property
+    def worker(self):
+        """The executor's driver worker: the model (`.model`), KV pool (`.pool`), backend, sampler."""
+        return self.executor.driver_worker
 
     def kv_pool_info(self) -> dict:
-        return dict(num_blocks=self.pool.num_blocks, block_size=self.pool.block_size,
-                    num_tokens=self.pool.num_blocks * self.pool.block_size, bytes=self.pool.nbytes,
-                    num_cpu_blocks=self.pool.num_cpu_blocks)
+        pool = self.worker.pool
+        return dict(num_blocks=pool.num_blocks, block_size=pool.block_size,
+                    num_tokens=pool.num_blocks * pool.block_size, bytes=pool.nbytes,
+                    num_cpu_blocks=pool.num_cpu_blocks)
 
     # -- requests ------------------------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int], sampling_params: SamplingParams | None = None,
@@ -268,7 +172,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self.tokenize_prompt(prompt)
-        validate_prompt(ids, params, self.max_model_len, self.hf_config.vocab_size)
+        validate_prompt(ids, params, self.max_model_len, self.model_config.vocab_size)
         total = len(ids) + (params.max_tokens or self.max_model_len - len(ids))
         need = self.block_manager.blocks_needed(min(total, self.max_model_len))
         if need > self.block_manager.num_total_blocks:
@@ -277,8 +181,7 @@ class LLMEngine:
                              "enlarge the pool (kv_cache_memory_bytes / gpu_memory_utilization).")
         params = params.clone(_eos_token_ids=tuple(self.tokenizer.eos_token_ids))
         metrics = RequestMetrics(arrival_time=arrival_time or time.perf_counter())
-        seqs = [Sequence(request_id, i, ids, params, self.tokenizer, self.max_model_len, self.device)
-                for i in range(params.n)]
+        seqs = [Sequence(request_id, i, ids, params, self.max_model_len) for i in range(params.n)]
         self.requests[request_id] = _Request(request_id, text, ids, seqs, metrics)
         for s in seqs:
             self.scheduler.add(s)
@@ -316,6 +219,13 @@ class LLMEngine:
             for s in req.seqs:
                 s.abort()
                 self.scheduler.remove(s)
+            self._retire(req.seqs)
+
+    def _retire(self, seqs: list[Sequence]) -> None:
+        """Drop what the output processor and the worker keep for finished or aborted sequences."""
+        for s in seqs:
+            self.output_processor.free(s)
+        self.executor.release([s.seq_id for s in seqs])
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -334,7 +244,7 @@ class LLMEngine:
                 raise RuntimeError("scheduler made no progress with requests pending (pool too small?)")
             return []
         t1 = time.perf_counter()
-        rows, tokens, chosen, tops = self.runner.execute(batch)
+        rows, tokens, chosen, tops = self.executor.execute_model(batch)
         t2 = time.perf_counter()
         self.scheduler.finish_step(batch)
         now = time.perf_counter()
@@ -348,6 +258,7 @@ class LLMEngine:
         for k, j in enumerate(rows):
             seq = batch.seqs[j]
             seq.append_token(tokens[k], chosen[k] if chosen else 0.0, tops[k] if tops else None)
+            self.output_processor.process(seq)
             self._gen_tokens += 1
             req = self.requests[seq.request_id]
             if seq.index == 0:
@@ -363,6 +274,7 @@ class LLMEngine:
             if req.finished:
                 req.metrics.finished_time = now
                 del self.requests[rid]
+                self._retire(req.seqs)
             outputs.append(req.output())
         self._steps += 1
         self._sched_time += (t1 - t0) + (time.perf_counter() - t2)
@@ -383,8 +295,8 @@ class LLMEngine:
             prefix_cache_hit_rate=bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
             num_preemptions=sch.num_preemptions, num_evicted_blocks=bm.num_evicted_blocks,
             num_prompt_tokens_total=self._prompt_tokens, num_generation_tokens_total=self._gen_tokens,
-            num_steps=self._steps, scheduler_time_s=self._sched_time + self.runner.build_time_s,
-            forward_time_s=self._fwd_time - self.runner.build_time_s)
+            num_steps=self._steps, scheduler_time_s=self._sched_time + self.worker.build_time_s,
+            forward_time_s=self._fwd_time - self.worker.build_time_s)
 
     def all_blocks_free(self) -> bool:
         """True when no sequence holds a block (what every test checks after a run)."""

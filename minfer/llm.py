@@ -18,6 +18,7 @@ from dataclasses import fields
 from tqdm.auto import tqdm
 
 from minfer.config import DEFAULT_MODEL, EngineArgs
+from minfer.detokenizer import OutputProcessor
 from minfer.engine import LLMEngine
 from minfer.generate import GenerationTimings, SimpleGenerator
 from minfer.outputs import RequestOutput
@@ -101,8 +102,11 @@ class LLM:
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (list of {"role", "content"}) or a list of them.
 
+        Messages follow the server's rule (`minfer.tokenizer.normalize_messages`): a content is a string,
+        null (read as "") or a list of text parts `[{"type": "text", "text": ...}]`.
+
         Raises:
-            ValueError: empty or malformed messages.
+            ValueError: empty or malformed messages (naming `messages[i]`).
         """
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} objects "
@@ -121,12 +125,13 @@ class LLM:
         engine = self.llm_engine
         params = (sampling_params or SamplingParams()).clone(_eos_token_ids=tuple(self.tokenizer.eos_token_ids))
         text, ids = engine.tokenize_prompt(prompt)
-        validate_prompt(ids, params, engine.max_model_len, engine.hf_config.vocab_size)
+        validate_prompt(ids, params, engine.max_model_len, engine.model_config.vocab_size)
         if self._simple is None:
-            self._simple = SimpleGenerator(engine.model, Sampler(engine.generator))
+            worker = engine.worker
+            self._simple = SimpleGenerator(worker.model, Sampler(worker.generator), OutputProcessor(self.tokenizer))
         outs, timings = [], []
         for i in range(params.n):
-            seq = Sequence("simple", i, ids, params, self.tokenizer, engine.max_model_len, engine.device)
+            seq = Sequence("simple", i, ids, params, engine.max_model_len)
             timings.append(self._simple.generate(seq, on_token))
             outs.append(seq.to_output())
         out = RequestOutput("simple", text, ids, outs, finished=True)

@@ -13,14 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-_DTYPE_BYTES = {
-    "float32": 4, "fp32": 4, "float": 4,
-    "float16": 2, "fp16": 2, "half": 2,
-    "bfloat16": 2, "bf16": 2,
-    "int8": 1, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
-    "int4": 0.5,
-}
-
+from minfer.config import DTYPES
 
 def dtype_bytes(dtype: str | torch.dtype) -> float:
     """Bytes per element of a dtype given as a torch dtype or a name ("bf16", "float32", "int8", ...).
@@ -31,9 +24,9 @@ def dtype_bytes(dtype: str | torch.dtype) -> float:
     if isinstance(dtype, torch.dtype):
         return torch.empty((), dtype=dtype).element_size()
     name = str(dtype).removeprefix("torch.").lower()
-    if name not in _DTYPE_BYTES:
-        raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(_DTYPE_BYTES)}")
-    return _DTYPE_BYTES[name]
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(DTYPES)}")
+    return DTYPES[name][1]
 
 
 def kv_cache_bytes(num_layers: int, batch: int, seq_len: int, num_kv_heads: int, head_dim: int,

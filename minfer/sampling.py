@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import torch
 
+from minfer.sampling_params import SamplingParams
 from minfer.sequence import Sequence
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Mask (to -inf) tokens outside each row's top-k and nucleus (top-p).
+    """Mask (to -inf) tokens outside each row's top-k and nucleus (top-p). The most likely token of each row
+    is always kept, so every row can still be sampled.
 
     Args:
         logits: float32 `[B, V]` (already divided by temperature).
@@ -28,7 +30,11 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
         probs = sorted_logits.softmax(dim=-1)
         # Keep a token if the mass strictly before it is < top_p: the smallest set reaching top_p.
         before = probs.cumsum(dim=-1) - probs
-        sorted_logits = sorted_logits.masked_fill(before >= top_p.unsqueeze(1), float("-inf"))
+        drop = before >= top_p.unsqueeze(1)
+        # A top_p of 0 (a tiny value rounded to float32) would drop the top token too, and a row of -inf
+        # samples token 0: keep the top-1 whatever top_p is.
+        drop[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
@@ -39,16 +45,41 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(~keep, float("-inf"))
 
 
+def request_generator(params: SamplingParams, index: int, device) -> torch.Generator | None:
+    """A private random stream for a seeded request; completion `index` of `n` gets its own stream."""
+    if params.seed is None or params.greedy:
+        return None
+    g = torch.Generator(device=device)
+    g.manual_seed((params.seed * 1_000_003 + index) % (2 ** 63))
+    return g
+
+
 class Sampler:
     """Samples one token per sequence from `logits [B, V]` (float32).
 
-    `generator` draws for unseeded requests; seeded ones use their own `Sequence.generator`.
+    `generator` draws for unseeded requests; a seeded request draws from its own stream
+    (`request_generator`), kept here by `seq_id` until `release` (so a `Sequence` stays plain data).
     Returns (tokens int64 `[B]`, chosen-token logprobs float32 `[B]`, per-row top-logprob dicts or None).
     Logprobs are those of the model's raw distribution (before temperature/top-k/top-p), as in vLLM.
     """
 
     def __init__(self, generator: torch.Generator | None = None):
         self.generator = generator
+        self._seeded: dict[int, torch.Generator] = {}
+
+    def generator_for(self, seq: Sequence, device) -> torch.Generator | None:
+        """The seeded stream of `seq` (made on first use), or None for an unseeded or greedy request."""
+        if seq.params.seed is None or seq.params.greedy:
+            return None
+        g = self._seeded.get(seq.seq_id)
+        if g is None:
+            g = self._seeded[seq.seq_id] = request_generator(seq.params, seq.index, device)
+        return g
+
+    def release(self, seq_ids) -> None:
+        """Forget the streams of retired sequences."""
+        for i in seq_ids:
+            self._seeded.pop(i, None)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]):
         b = logits.shape[0]
@@ -87,13 +118,14 @@ class Sampler:
             x = apply_min_p(x, torch.tensor([p.min_p for p in params], device=device))
         probs = x.softmax(dim=-1)
         noise = torch.empty_like(probs)
-        unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
+        gens = [self.generator_for(s, device) for s in seqs]
+        unseeded = [i for i, g in enumerate(gens) if g is None]
         if unseeded:
             noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=device).exponential_(
                 generator=self.generator)
-        for i, s in enumerate(seqs):
-            if s.generator is not None:
-                noise[i].exponential_(generator=s.generator)
+        for i, g in enumerate(gens):
+            if g is not None:
+                noise[i].exponential_(generator=g)
         tokens = (probs / noise).argmax(dim=-1)
         if any(greedy):
             g = torch.tensor(greedy, device=device)

@@ -8,11 +8,22 @@ field and its allowed range, before any request reaches the engine.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
 MAX_N = 128  # completions per request, as OpenAI's API allows (each is a sequence with its own KV)
 MAX_LOGPROBS = 20  # top logprobs per token, vLLM's default max_logprobs
+# Stop strings are checked on the engine thread for every running sequence at every step, so what one request
+# may ask for is bounded. OpenAI's API takes 4 stop strings; 64 leaves room for the longest lists tools send
+# (role and turn markers of several chat templates), and 256 characters is longer than any such marker or
+# code delimiter. The whole set is then <= 16,384 characters, which `minfer.detokenizer.StopMatcher` turns
+# into its automaton once per request in a few milliseconds.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 256
+# The smallest normal float32 (torch.finfo(torch.float32).tiny): the sampler runs in float32, where a top_p
+# below this is a subnormal or 0, and 0 would mask every token.
+FLOAT32_TINY = 1.1754943508222875e-38
 
 
 @dataclass
@@ -23,16 +34,21 @@ class SamplingParams:
         n: number of independent completions per prompt, 1..128.
         temperature: softmax temperature (>= 0); 0 means exact greedy (argmax).
         top_k: keep the k most likely tokens; -1 (or 0) keeps all.
-        top_p: keep the smallest set of tokens whose probability sums to >= top_p; in (0, 1].
+        top_p: keep the smallest set of tokens whose probability sums to >= top_p; in (0, 1], and not below
+            float32's smallest normal number (1.18e-38).
         min_p: drop tokens whose probability is below min_p x the top token's; in [0, 1].
         seed: per-request random seed; the same seed gives the same tokens whatever the batch.
         max_tokens: most new tokens to generate (>= 1); None means "up to max_model_len".
-        stop: strings that end generation; the matched string is cut from the returned text.
+        stop: strings that end generation; the matched string is cut from the returned text. At most
+            MAX_STOP_STRINGS (64) strings of at most MAX_STOP_STRING_CHARS (256) characters each.
         stop_token_ids: token ids that end generation (besides the model's EOS ids).
         ignore_eos: keep generating past EOS (benchmarks use it for fixed output lengths).
         logprobs: return the log-probabilities of this many top tokens per step (0..20, plus the chosen
             one); None returns none.
         include_stop_str_in_output: keep the matched stop string in the text.
+
+    Numbers may be any `numbers.Integral` / `numbers.Real` but a bool (NumPy's scalars too); they are stored
+    as plain Python ints and floats.
 
     Raises:
         ValueError: a field is outside its allowed range (the message names the field and the range).
@@ -68,33 +84,58 @@ class SamplingParams:
         self._verify()
 
     def _verify(self) -> None:
-        def bad(name: str, allowed: str) -> ValueError:
-            return ValueError(f"SamplingParams.{name} must be {allowed}, got {getattr(self, name)!r}")
+        # Each check stores the plain Python number: NumPy scalars are accepted as prompts' token ids are,
+        # and what reaches the sampler, the JSON answers and the hash of a seed is then always an int/float.
+        self.n = self._number("n", _as_int, lambda v: 1 <= v <= MAX_N, f"an integer in [1, {MAX_N}]")
+        self.temperature = self._number("temperature", _as_float, lambda v: 0 <= v < float("inf"),
+                                        "a finite number >= 0 (0 means greedy)")
+        self.top_k = self._number("top_k", _as_int, lambda v: v >= 1 or v == -1, "-1 (disabled) or an integer >= 1")
+        self.top_p = self._number("top_p", _as_float, lambda v: FLOAT32_TINY <= v <= 1,
+                                  f"in (0, 1] and at least {FLOAT32_TINY:.4g} (the smallest normal float32: the "
+                                  "sampler runs in float32, where a smaller top_p is 0 and masks every token)")
+        self.min_p = self._number("min_p", _as_float, lambda v: 0 <= v <= 1, "in [0, 1]")
+        self.seed = self._number("seed", _as_int, lambda v: -2 ** 63 <= v < 2 ** 64,
+                                 "an integer in [-2**63, 2**64) or None (torch.Generator's range)", optional=True)
+        self.max_tokens = self._number("max_tokens", _as_int, lambda v: v >= 1, "an integer >= 1 or None",
+                                       optional=True)
+        self.logprobs = self._number("logprobs", _as_int, lambda v: 0 <= v <= MAX_LOGPROBS,
+                                     f"an integer in [0, {MAX_LOGPROBS}] or None", optional=True)
+        self._verify_stop()
+        ids = [_as_int(t) for t in self.stop_token_ids]
+        if any(t is None or t < 0 for t in ids):
+            raise ValueError(f"SamplingParams.stop_token_ids must be a list of non-negative integers, "
+                             f"got {self.stop_token_ids!r}")
+        self.stop_token_ids = ids
 
-        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
-            raise bad("n", f"an integer in [1, {MAX_N}]")
-        if (not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool)
-                or not 0 <= self.temperature < float("inf")):
-            raise bad("temperature", "a finite number >= 0 (0 means greedy)")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or (self.top_k < 1 and self.top_k != -1):
-            raise bad("top_k", "-1 (disabled) or an integer >= 1")
-        if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0 < self.top_p <= 1:
-            raise bad("top_p", "in (0, 1]")
-        if not isinstance(self.min_p, (int, float)) or isinstance(self.min_p, bool) or not 0 <= self.min_p <= 1:
-            raise bad("min_p", "in [0, 1]")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
-                                      or not -2 ** 63 <= self.seed < 2 ** 64):
-            raise bad("seed", "an integer in [-2**63, 2**64) or None (torch.Generator's range)")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
-                                            or self.max_tokens < 1):
-            raise bad("max_tokens", "an integer >= 1 or None")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise bad("logprobs", f"an integer in [0, {MAX_LOGPROBS}] or None")
-        if any(not isinstance(s, str) or s == "" for s in self.stop):
-            raise bad("stop", "a non-empty string or a list of non-empty strings")
-        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "a list of non-negative integers")
+    def _number(self, name: str, convert, ok, allowed: str, optional: bool = False):
+        """Field `name` as a plain int or float (`convert`: `_as_int` / `_as_float`), or None if `optional`.
+
+        Raises:
+            ValueError: "SamplingParams.<name> must be <allowed>, got <value>" when it is not a number of that
+                kind or `ok(value)` is false.
+        """
+        value = getattr(self, name)
+        if value is None and optional:
+            return None
+        number = convert(value)
+        if number is None or not ok(number):
+            raise ValueError(f"SamplingParams.{name} must be {allowed}, got {value!r}")
+        return number
+
+    def _verify_stop(self) -> None:
+        """Stop strings: at most MAX_STOP_STRINGS, each non-empty and at most MAX_STOP_STRING_CHARS long.
+
+        The messages name the count or one bad string (shortened), never the whole list, which may be large.
+        """
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"SamplingParams.stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        for i, s in enumerate(self.stop):
+            if not isinstance(s, str) or s == "":
+                raise ValueError("SamplingParams.stop must be a non-empty string or a list of non-empty strings, "
+                                 f"got {s!r:.80} at stop[{i}]")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(f"SamplingParams.stop strings may be at most {MAX_STOP_STRING_CHARS} characters "
+                                 f"each, got {len(s)} at stop[{i}]")
 
     @property
     def greedy(self) -> bool:
@@ -116,3 +157,22 @@ class SamplingParams:
         kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
         kwargs.update(changes)
         return SamplingParams(**kwargs)
+
+
+def _as_int(value) -> int | None:
+    """`value` as a Python int if it is an integer (int, NumPy's integers: any `numbers.Integral`) but not a
+    bool, else None."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    return None
+
+
+def _as_float(value) -> float | None:
+    """`value` as a Python float if it is a real number (int, float, NumPy's: any `numbers.Real`) but not a
+    bool, else None (also when it is too large for a float)."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except OverflowError:
+            return None
+    return None

@@ -5,7 +5,13 @@ Every step the scheduler builds one batch under two budgets, `max_num_seqs` sequ
 
 1. running sequences first, in arrival order: one token each when decoding, or the next chunk of a prompt;
 2. then swapped-out sequences, brought back when blocks allow;
-3. then waiting requests, admitted as soon as there is room (FCFS: a request never jumps one that waits).
+3. then waiting sequences, admitted as soon as there is room, taking turns across requests: the next one
+   admitted is the first waiting sequence of the request that holds the fewest sequences (running or
+   swapped), earliest request first among equals. With one sequence per request this is FCFS (a request
+   never jumps one that waits); a request with many sequences (`n`) shares the free slots with the requests
+   behind it instead of taking them all, so a later request waits for one slot to free, not for every
+   earlier sequence to be admitted. A turn is never skipped: if the sequence whose turn it is does not fit,
+   nothing more is admitted this step.
 
 With chunked prefill a prompt larger than what is left of the token budget is cut into chunks, so decodes of
 running sequences keep flowing while it is prefilled. Without it a prompt runs whole, in one step.
@@ -17,7 +23,8 @@ generated tokens together) or by swap (its blocks are copied to CPU swap space a
 
 from __future__ import annotations
 
-from collections import deque
+import itertools
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from minfer.block_manager import BlockManager
@@ -45,6 +52,59 @@ class ScheduledBatch:
         return bool(self.seqs)
 
 
+class WaitingQueue:
+    """The waiting sequences, grouped by request: requests in arrival order, each request's sequences in order.
+
+    It reads like a deque of sequences (`len`, `in`, iteration, `[i]`, `append`, `appendleft`, `remove`) and
+    also gives the requests (`requests()`) so that admission can take turns across them without walking
+    every waiting sequence. `appendleft` puts a sequence (a preempted one) at the very front: its request
+    moves to the head of the queue.
+    """
+
+    def __init__(self):
+        self._requests: OrderedDict[str, deque[Sequence]] = OrderedDict()
+        self._len = 0
+
+    def append(self, seq: Sequence) -> None:
+        self._requests.setdefault(seq.request_id, deque()).append(seq)
+        self._len += 1
+
+    def appendleft(self, seq: Sequence) -> None:
+        self._requests.setdefault(seq.request_id, deque()).appendleft(seq)
+        self._requests.move_to_end(seq.request_id, last=False)
+        self._len += 1
+
+    def remove(self, seq: Sequence) -> None:
+        """Take `seq` out (O(1) for the first of its request's). Raises ValueError if it is not waiting."""
+        group = self._requests.get(seq.request_id)
+        if group is None or seq not in group:
+            raise ValueError("WaitingQueue.remove(seq): seq is not waiting")
+        group.remove(seq)
+        if not group:
+            del self._requests[seq.request_id]
+        self._len -= 1
+
+    def requests(self):
+        """(request id, its waiting sequences) for each waiting request, in queue order."""
+        return self._requests.items()
+
+    def __contains__(self, seq) -> bool:
+        group = self._requests.get(getattr(seq, "request_id", None))
+        return group is not None and seq in group
+
+    def __iter__(self):
+        for group in self._requests.values():
+            yield from group
+
+    def __getitem__(self, i: int) -> Sequence:
+        if not 0 <= i < self._len:
+            raise IndexError("WaitingQueue index out of range")
+        return next(itertools.islice(self, i, None))
+
+    def __len__(self) -> int:
+        return self._len
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool, preemption_mode: str = "recompute"):
@@ -53,10 +113,11 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked = enable_chunked_prefill
         self.preemption_mode = preemption_mode
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self._held: dict[str, int] = {}  # request id -> its sequences now running or swapped (admission's turns)
 
     # -- queues ----------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -68,11 +129,14 @@ class Scheduler:
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of whichever queue holds it and free all its blocks."""
-        for q in (self.waiting, self.swapped):
-            if seq in q:
-                q.remove(seq)
-        if seq in self.running:
-            self.running.remove(seq)
+        # Only the queue its status names is searched: a finishing sequence is not looked for among the
+        # thousands of waiting ones (and an aborted request's waiting sequences come off their group's head).
+        queue = {SequenceStatus.WAITING: self.waiting, SequenceStatus.RUNNING: self.running,
+                 SequenceStatus.SWAPPED: self.swapped}.get(seq.status)
+        if queue is not None and seq in queue:
+            queue.remove(seq)
+            if queue is not self.waiting:
+                self._hold(seq, -1)
         self.bm.free_seq(seq)
         seq.status = SequenceStatus.FINISHED
 
@@ -112,16 +176,17 @@ class Scheduler:
             self.swapped.popleft()
             batch.swap_in.extend(self.bm.swap_in(seq))
             budget -= self._admit(seq, n, batch)
-        # 3. waiting requests, in order, while both budgets and the pool allow.
+        # 3. waiting sequences, taking turns across requests, while both budgets and the pool allow.
         while (self.waiting and not self.swapped and not batch.num_preempted and budget > 0
                and len(batch.seqs) < self.max_num_seqs):
-            seq = self.waiting[0]
+            seq = self._next_waiting()
             hits = self.bm.cached_prefix(seq)
             want = len(seq) - len(hits) * self.bm.block_size
             n = min(want, budget) if self.chunked else want
             if n > budget or not self.bm.can_allocate(seq, n, hits):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
+            self._hold(seq, +1)
             seq.num_computed_tokens = self.bm.allocate_prefix(seq, hits)
             if seq.num_cached_tokens == 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
@@ -131,6 +196,30 @@ class Scheduler:
         batch.seqs = [batch.seqs[j] for j in order]
         batch.num_new_tokens = [batch.num_new_tokens[j] for j in order]
         return batch
+
+    def _next_waiting(self) -> Sequence:
+        """Whose turn it is: the first waiting sequence of the request holding the fewest running or swapped
+        sequences, the earliest request among equals.
+
+        The walk stops at the first request holding none, so it visits at most one request more than there
+        are requests holding sequences (<= the running and swapped sequences), however long the queue is.
+        """
+        best, fewest = None, None
+        for request_id, group in self.waiting.requests():
+            held = self._held.get(request_id, 0)
+            if best is None or held < fewest:
+                best, fewest = group[0], held
+                if held == 0:
+                    break
+        return best
+
+    def _hold(self, seq: Sequence, change: int) -> None:
+        """Count `seq` in (+1) or out (-1) of its request's running-or-swapped sequences."""
+        held = self._held.get(seq.request_id, 0) + change
+        if held:
+            self._held[seq.request_id] = held
+        else:
+            self._held.pop(seq.request_id, None)
 
     def _admit(self, seq: Sequence, n: int, batch: ScheduledBatch) -> int:
         """Give a (swapped-in or newly admitted) sequence slots for n tokens and run it this step."""
@@ -156,6 +245,7 @@ class Scheduler:
             self.bm.free_seq(seq)
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
+            self._hold(seq, -1)
             self.waiting.appendleft(seq)
 
     def finish_step(self, batch: ScheduledBatch) -> None:

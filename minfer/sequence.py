@@ -1,8 +1,9 @@
-"""One sequence being generated: its tokens, text, stop state and where its KV lives.
+"""One sequence being generated: its tokens, text, stop state and where its KV lives. Plain data only (ints,
+strings, lists), so a sequence can be sent to another process.
 
-Both the simple path (`minfer.generate`) and the engine grow sequences through `Sequence.append_token`,
-so stop handling (EOS ids, stop ids, stop strings across token boundaries, max_tokens, max_model_len)
-is written once.
+Both the simple path (`minfer.generate`) and the engine grow sequences through `Sequence.append_token`
+(stop token ids, max_tokens, max_model_len) and then `minfer.detokenizer.OutputProcessor` (text, stop
+strings across token boundaries), so stop handling is written once.
 """
 
 from __future__ import annotations
@@ -10,11 +11,8 @@ from __future__ import annotations
 import enum
 import itertools
 
-import torch
-
 from minfer.outputs import CompletionOutput
 from minfer.sampling_params import SamplingParams
-from minfer.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, held_back
 
 
 class SequenceStatus(enum.Enum):
@@ -27,15 +25,6 @@ class SequenceStatus(enum.Enum):
 _seq_counter = itertools.count()
 
 
-def request_generator(params: SamplingParams, index: int, device) -> torch.Generator | None:
-    """A private random stream for a seeded request; completion `index` of `n` gets its own stream."""
-    if params.seed is None or params.greedy:
-        return None
-    g = torch.Generator(device=device)
-    g.manual_seed((params.seed * 1_000_003 + index) % (2 ** 63))
-    return g
-
-
 class Sequence:
     """A prompt and the tokens generated after it.
 
@@ -43,10 +32,12 @@ class Sequence:
         prompt_token_ids / output_token_ids: lists of int.
         num_computed_tokens: tokens whose K/V are in the cache (the engine advances it).
         block_table: the KV blocks of this sequence, in order (engine only).
+        text: the detokenized output so far; num_held_chars: its tail that may start a stop string, not shown
+            yet (both kept by `minfer.detokenizer.OutputProcessor`).
     """
 
     def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
-                 tokenizer: Tokenizer | None, max_model_len: int, device="cpu"):
+                 max_model_len: int):
         self.seq_id = next(_seq_counter)
         self.request_id, self.index = request_id, index
         self.prompt_token_ids = list(prompt_token_ids)
@@ -56,14 +47,12 @@ class Sequence:
         self.max_tokens = params.max_tokens or (max_model_len - len(prompt_token_ids))
         self.stop_ids = params.all_stop_token_ids
         self.status = SequenceStatus.WAITING
-        self.tokenizer = tokenizer
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens) if tokenizer else None
         self.text = ""
+        self.num_held_chars = 0
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
-        self.generator = request_generator(params, index, device)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hash chain of the full, computed blocks (prefix caching)
@@ -87,9 +76,9 @@ class Sequence:
 
     def visible_text(self) -> str:
         """Text safe to show now: all of it once finished, else without a tail that may start a stop string."""
-        if self.is_finished or not self.params.stop:
+        if self.is_finished or not self.num_held_chars:
             return self.text
-        return self.text[:len(self.text) - held_back(self.text, self.params.stop)]
+        return self.text[:len(self.text) - self.num_held_chars]
 
     def to_output(self) -> CompletionOutput:
         return CompletionOutput(index=self.index, text=self.visible_text(), token_ids=list(self.output_token_ids),
@@ -99,7 +88,8 @@ class Sequence:
 
     # -- growing --------------------------------------------------------------------------------------
     def append_token(self, token: int, logprob: float = 0.0, top_logprobs: dict[int, float] | None = None) -> None:
-        """Add a sampled token, update the text, and decide whether the sequence is finished."""
+        """Add a sampled token and decide whether the sequence is finished by a stop token id or its length
+        (stop strings are the output processor's: they need the text)."""
         self.output_token_ids.append(token)
         self.cumulative_logprob += logprob
         if self.logprobs is not None:
@@ -107,19 +97,13 @@ class Sequence:
         if token in self.stop_ids:
             self.finish_reason, self.stop_reason = "stop", (None if token in self.params._eos_token_ids
                                                             and token not in self.params.stop_token_ids else token)
-            return
-        if self.detok is not None:
-            new = self.detok.step([token])
-            self.text += new
-            if self.params.stop and new:
-                hit = find_stop(self.text, self.params.stop, len(new))
-                if hit is not None:
-                    start, stop = hit
-                    self.text = self.text[:start + (len(stop) if self.params.include_stop_str_in_output else 0)]
-                    self.finish_reason, self.stop_reason = "stop", stop
-                    return
-        if len(self.output_token_ids) >= self.max_tokens or len(self) >= self.max_model_len:
+        elif len(self.output_token_ids) >= self.max_tokens or len(self) >= self.max_model_len:
             self.finish_reason = "length"
+
+    @property
+    def stopped_by_token(self) -> bool:
+        """Finished by a stop token id (EOS or `stop_token_ids`): that token is not detokenized."""
+        return self.finish_reason == "stop" and not isinstance(self.stop_reason, str)
 
     def abort(self) -> None:
         if not self.is_finished:

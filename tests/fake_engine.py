@@ -2,8 +2,8 @@
 
 It "generates" deterministic words (a function of the prompt, the completion index, the step and the seed),
 keeps a toy paged KV pool (one block per `block_size` tokens) so that tests can check blocks are freed, and
-validates requests the way the real engine does (empty prompt, prompt longer than `max_model_len`, bad token
-ids raise `ValueError` before anything is queued). Use `FakeEngine(step_delay=...)` to slow steps down.
+validates requests the way the real engine does (an empty prompt, a prompt longer than `max_model_len` or one
+whose `max_tokens` does not fit after it, bad token ids raise `ValueError` before anything is queued). Use `FakeEngine(step_delay=...)` to slow steps down.
 """
 
 from __future__ import annotations
@@ -20,15 +20,21 @@ _WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", 
 
 
 class FakeTokenizer:
-    """Word-level tokenizer: id 0 is EOS, ids 1..len(_WORDS) are words, larger ids are `<t{id}>`."""
+    """Word-level tokenizer: id 0 is EOS, ids 1..len(_WORDS) are words, larger ids are `<t{id}>`.
+
+    A word longer than `max_token_chars` is split into pieces of that length, so that no token stands for more
+    characters (the server's prompt-length bound, `minfer.serve.limits.prompt_char_limit`, reads it).
+    """
 
     eos_token_id = 0
     vocab_size = 50000
+    max_token_chars = 16
 
     def encode(self, text: str) -> list[int]:
         ids = []
-        for w in text.split():
-            ids.append(_WORDS.index(w) + 1 if w in _WORDS else 100 + (sum(map(ord, w)) % 800))
+        for word in text.split():
+            for w in (word[i:i + self.max_token_chars] for i in range(0, len(word), self.max_token_chars)):
+                ids.append(_WORDS.index(w) + 1 if w in _WORDS else 100 + (sum(map(ord, w)) % 800))
         return ids
 
     def decode(self, ids: list[int]) -> str:
@@ -115,6 +121,10 @@ class FakeEngine:
         if len(ids) >= self.model_config.max_model_len:
             raise ValueError(f"the prompt ({len(ids)} tokens) is longer than max_model_len="
                              f"{self.model_config.max_model_len} allows")
+        max_tokens = sampling_params.max_tokens
+        if max_tokens is not None and len(ids) + max_tokens > self.model_config.max_model_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+                             f"max_model_len ({self.model_config.max_model_len})")
         if any(r.rid == request_id for r in self.waiting + self.running):
             raise ValueError(f"request id {request_id!r} already exists")
         arrival = time.perf_counter() if arrival_time is None else arrival_time
@@ -219,10 +229,13 @@ if __name__ == "__main__":  # python tests/fake_engine.py PORT: serve the fake e
 
     import uvicorn
 
-    from minfer.serve.api import build_app
+    from minfer.serve.connection import uvicorn_options
+    from minfer.serve.limits import ServerLimits
+    from minfer.serve.routes import build_app
 
     port = int(sys.argv[1]) if len(sys.argv) > 1 else 8000
     name = sys.argv[2] if len(sys.argv) > 2 else "fake-model"
     max_len = int(sys.argv[3]) if len(sys.argv) > 3 else 256
     uvicorn.run(build_app(FakeEngine(max_model_len=max_len, step_delay=0.02, max_num_seqs=64, num_blocks=256),
-                          served_model_names=[name]), host="127.0.0.1", port=port, log_level="warning")
+                          served_model_names=[name]), host="127.0.0.1", port=port, log_level="warning",
+                **uvicorn_options(ServerLimits()))

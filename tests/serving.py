@@ -1,4 +1,6 @@
-"""Start `python -m minfer.serve` (or the fake engine) as a subprocess on a free loopback port, for tests."""
+"""Start a real server on a free loopback port, for tests: `python -m minfer.serve` (or the fake engine) as a
+subprocess (`running_server`), or an app under uvicorn in a thread of the test's own process
+(`server_in_thread`: the test can then measure the server's memory, or give it its own limits)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -66,3 +69,31 @@ def running_server(args: list[str], fake_engine_args: list[str] | None = None, t
     os.unlink(log.name)
     if check_log:
         assert "Traceback" not in text, text[-4000:]
+
+
+@contextlib.contextmanager
+def server_in_thread(app, timeout: float = 30, **uvicorn_options):
+    """Yield the base URL of `app` served by uvicorn on a free loopback port in a thread; stop it afterwards.
+
+    `uvicorn_options` go to `uvicorn.Config` (e.g. `minfer.serve.connection.uvicorn_options(limits)`).
+    """
+    import uvicorn
+
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **uvicorn_options)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="uvicorn-in-test", daemon=True)
+    thread.start()
+    deadline = time.time() + timeout
+    while not server.started:
+        if not thread.is_alive():
+            pytest.fail("uvicorn stopped before it started serving")
+        if time.time() > deadline:
+            server.should_exit = True
+            pytest.fail(f"uvicorn not serving after {timeout} s")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(15)

@@ -87,12 +87,12 @@ def test_bad_sampling_params_object_queues_nothing(llm):
 
 
 def test_error_inside_a_step_leaves_nothing_behind(llm, monkeypatch):
-    runner = llm.llm_engine.runner
+    worker = llm.llm_engine.worker
 
     def boom(batch):
         raise RuntimeError("simulated kernel failure")
 
-    monkeypatch.setattr(runner, "execute", boom)
+    monkeypatch.setattr(worker, "execute_model", boom)
     with pytest.raises(RuntimeError, match="simulated"):
         llm.generate(["one", "two"], SamplingParams(max_tokens=4))
     monkeypatch.undo()
@@ -118,7 +118,7 @@ def test_max_model_len_beyond_the_model(llm):
 
 def test_tokenizer_argument_is_used(tmp_path):
     from minfer import LLM
-    from minfer.model.loader import ModelNotFoundError
+    from minfer.model.sources import ModelNotFoundError
 
     with pytest.raises(ModelNotFoundError, match="nonexistent"):
         LLM(max_model_len=256, kv_cache_memory_bytes=16 << 20, tokenizer=str(tmp_path / "nonexistent"))

@@ -16,7 +16,7 @@ BS = 4  # tokens per block in every test
 
 
 def make_seq(token_ids, max_tokens=8, rid="r"):
-    return Sequence(rid, 0, list(token_ids), SamplingParams(max_tokens=max_tokens), None, max_model_len=4096)
+    return Sequence(rid, 0, list(token_ids), SamplingParams(max_tokens=max_tokens), max_model_len=4096)
 
 
 def run_prefill(bm, seq):

@@ -1,20 +1,22 @@
-"""`Linear`'s CPU layouts (K-major or not, split into column slices; oneDNN's packed one) compute what
-nn.Linear does."""
+"""`Linear` and its linear methods (minfer/model/layers.py, linear_method.py): the CPU layouts (K-major or not,
+split into column slices; oneDNN's packed one) compute what nn.Linear does, and the loader hands each
+parameter its tensors through its own `weight_loader`."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from minfer.model.layers import (Linear, TiedEmbedding, default_linear_layout, onednn_available,
-                                 process_weights_after_loading)
+from minfer.model.layers import Linear, TiedEmbedding, process_weights_after_loading
+from minfer.model.linear_method import (LINEAR_METHODS, SplitLinearMethod, default_linear_method, default_weight_loader,
+                                        get_linear_method, onednn_available)
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN")
 
 
-def _loaded(in_f, out_f, bias, tokens):
+def _loaded(in_f, out_f, bias, tokens, method=None):
     """A Linear loaded with random weights, an input of `tokens` rows, and what F.linear gives for it."""
     torch.manual_seed(0)
-    lin = Linear(in_f, out_f, bias=bias)
+    lin = Linear(in_f, out_f, bias=bias, method=method)
     w, b = torch.randn(out_f, in_f), torch.randn(out_f)
     lin.weight_loader(lin.weight, w)
     if bias:
@@ -28,9 +30,8 @@ def _loaded(in_f, out_f, bias, tokens):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("tokens", [1, 7])
 def test_repacked_linear_equals_f_linear(in_f, out_f, splits, bias, tokens):
-    lin, w, x, expected = _loaded(in_f, out_f, bias, tokens)
-    torch.testing.assert_close(lin(x), expected)
-    lin.process_weights_after_loading(splits)
+    lin, w, x, expected = _loaded(in_f, out_f, bias, tokens, SplitLinearMethod(splits))
+    lin.process_weights_after_loading()
     assert lin.k_major == (out_f >= in_f)
     assert lin.splits == (splits if out_f % splits == 0 else 1)
     torch.testing.assert_close(lin(x), expected, rtol=1e-5, atol=1e-5)
@@ -38,7 +39,7 @@ def test_repacked_linear_equals_f_linear(in_f, out_f, splits, bias, tokens):
     ids = torch.tensor([0, out_f - 1, out_f // 2, 1])
     assert torch.equal(lin.weight_rows(ids), w[ids])
     with pytest.raises(RuntimeError, match="already repacked"):
-        lin.process_weights_after_loading(splits)
+        lin.process_weights_after_loading()
 
 
 @needs_onednn
@@ -47,9 +48,12 @@ def test_repacked_linear_equals_f_linear(in_f, out_f, splits, bias, tokens):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("tokens", [1, 2, 130])
 def test_onednn_linear_equals_f_linear(layout, in_f, out_f, bias, tokens):
-    lin, w, x, expected = _loaded(in_f, out_f, bias, tokens)
-    lin.process_weights_after_loading(splits=2, layout=layout)
-    assert lin.layout == layout and (lin.weight if layout == "onednn" else lin._onednn).is_mkldnn
+    method = get_linear_method(layout)
+    if layout == "hybrid":
+        method.splits = 2
+    lin, w, x, expected = _loaded(in_f, out_f, bias, tokens, method)
+    lin.process_weights_after_loading()
+    assert lin.layout == layout and (lin.weight if layout == "onednn" else lin.packed).is_mkldnn
     torch.testing.assert_close(lin(x), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lin(x.view(1, tokens, in_f)), expected.view(1, tokens, out_f), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lin(x.t().contiguous().t()), expected, rtol=1e-5, atol=1e-5)  # strided input
@@ -60,23 +64,37 @@ def test_onednn_linear_equals_f_linear(layout, in_f, out_f, bias, tokens):
     else:  # hybrid reads rows from its "split" copy
         assert torch.equal(lin.weight_rows(ids), w[ids])
     with pytest.raises(RuntimeError, match="already repacked"):
-        lin.process_weights_after_loading(layout=layout)
+        lin.process_weights_after_loading()
 
 
 def test_bad_layouts_are_named(monkeypatch):
-    lin = Linear(4, 4)
     with pytest.raises(ValueError, match="unknown Linear layout"):
-        lin.process_weights_after_loading(layout="fast")
+        Linear(4, 4, method="fast")
+    lin = Linear(4, 4, method="onednn")
+    lin.weight.data = lin.weight.data.double()
     with pytest.raises(ValueError, match="float32"):
-        Linear(4, 4).to(torch.float64).process_weights_after_loading(layout="onednn")
+        lin.process_weights_after_loading()
     monkeypatch.setenv("MINFER_LINEAR_LAYOUT", "fastest")
     with pytest.raises(ValueError, match="MINFER_LINEAR_LAYOUT"):
-        default_linear_layout(lin)
+        default_linear_method("cpu", torch.float32)
     monkeypatch.setenv("MINFER_LINEAR_LAYOUT", "split")
-    assert default_linear_layout(lin) == "split"
+    assert default_linear_method("cpu", torch.float32).name == "split"
     monkeypatch.delenv("MINFER_LINEAR_LAYOUT")
-    assert default_linear_layout(lin) == ("hybrid" if onednn_available() else "split")
-    assert default_linear_layout(lin.to(torch.bfloat16)) == "split"
+    assert default_linear_method("cpu", torch.float32).name == ("hybrid" if onednn_available() else "split")
+    assert default_linear_method("cpu", torch.bfloat16).name == "split"
+    assert default_linear_method("cuda", torch.bfloat16).name == "nn"
+    assert set(LINEAR_METHODS) == {"nn", "split", "onednn", "hybrid"}
+
+
+def test_weight_loader_keeps_integer_codes_and_refuses_floats_for_them():
+    """A quantized method's integer parameter takes integer tensors bit for bit, never a cast float."""
+    codes = torch.zeros(2, 3, dtype=torch.int32)
+    default_weight_loader(codes, torch.tensor([[1, -2, 3], [2**31 - 1, 0, 7]], dtype=torch.int32))
+    assert codes[1, 0] == 2**31 - 1
+    with pytest.raises(ValueError, match="dtype mismatch"):
+        default_weight_loader(codes, torch.ones(2, 3))
+    with pytest.raises(ValueError, match="shape mismatch"):
+        default_weight_loader(codes, torch.ones(3, 2, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("layout", ["split", pytest.param("onednn", marks=needs_onednn),
@@ -84,12 +102,13 @@ def test_bad_layouts_are_named(monkeypatch):
 def test_merged_parts_land_in_their_rows_and_tied_embedding_reads_the_head(layout):
     torch.manual_seed(0)
     parts = [torch.randn(6, 8), torch.randn(4, 8), torch.randn(2, 8)]
-    lin = Linear(8, output_sizes=[6, 4, 2])
+    lin = Linear(8, output_sizes=[6, 4, 2], method=layout)
+    assert lin.weight.num_shards == 3
     for i, p in enumerate(parts):
-        lin.weight_loader(lin.weight, p, i)
+        lin.weight.weight_loader(lin.weight, p, i)  # what the loader calls: the parameter's own loader
     emb = TiedEmbedding(lin)
     full = torch.cat(parts)
-    assert process_weights_after_loading(lin, layout) == layout
+    assert process_weights_after_loading(lin) == layout
     assert lin.layout == layout
     if layout != "onednn":
         assert lin.splits == max(1, torch.get_num_threads()) or lin.splits == 1

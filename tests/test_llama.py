@@ -12,6 +12,7 @@ import transformers
 
 from minfer.generate import SimpleGenerator
 from minfer.model.loader import load_model
+from tests.conftest import assert_logits_close
 
 BASE = dict(vocab_size=320, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5)
@@ -61,7 +62,7 @@ def test_logits_match_transformers(tmp_path, case):
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     ours, _ = minfer_logits(tmp_path, ids)
-    assert (ours - ref).abs().max().item() <= 1e-4
+    assert_logits_close(ours, ref)
 
 
 def test_old_style_rope_config_keys(tmp_path):
@@ -77,7 +78,7 @@ def test_old_style_rope_config_keys(tmp_path):
         ref = hf(torch.tensor([ids])).logits[0]
     ours, lm = minfer_logits(tmp_path, ids)
     assert lm.config.rope_scaling["rope_type"] == "yarn"
-    assert (ours - ref).abs().max().item() <= 1e-4
+    assert_logits_close(ours, ref)
 
 
 def test_sharded_safetensors(tmp_path):
@@ -95,7 +96,7 @@ def test_cached_decode_equals_full_recompute(tmp_path):
     make_hf_model(tmp_path, "Qwen2Config", {})
     lm = load_model(str(tmp_path), dtype="float32")
     gen = SimpleGenerator(lm.model)
-    from minfer.model.attention import ForwardContext
+    from minfer.attention import ForwardContext
 
     ids = list(range(10, 30))
     cache = gen.new_cache(len(ids))
@@ -105,7 +106,7 @@ def test_cached_decode_equals_full_recompute(tmp_path):
             h = lm.model(torch.tensor([ids[p]]), ForwardContext(cache, positions=torch.tensor([p]), start_pos=p))
             step = lm.model.compute_logits(h)[0]
             full = gen.prefill_logits(ids[:p + 1], gen.new_cache(p + 1))[-1]
-            assert (step - full).abs().max().item() < 1e-4
+            assert_logits_close(step, full)
 
 
 def test_dtype_auto_and_explicit(tmp_path):

@@ -1,4 +1,5 @@
-"""Finding and loading models (minfer/model/loader.py, tokenizer.py): every failure names the file and the problem."""
+"""Finding and loading models (minfer/model/sources.py, gguf.py, loader.py, registry.py, tokenizer.py): every
+failure names the file and the problem."""
 
 import json
 import subprocess
@@ -7,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from minfer.model.loader import (INSTALL_DEFAULT, ModelNotFoundError, find_default_gguf, load_model,
-                                 resolve_model)
+from minfer.model.loader import load_model
+from minfer.model.sources import INSTALL_DEFAULT, ModelNotFoundError, find_default_gguf, resolve_model
 from tests.conftest import needs_default_model
 from tests.test_llama import make_hf_model
 
@@ -137,3 +138,29 @@ def test_generate_cli_streams_and_reports_speed():
                          capture_output=True, text=True, timeout=300, env={**__import__("os").environ,
                                                                            "HF_HUB_OFFLINE": "1"})
     assert bad.returncode == 2 and "could not download 'nope/none'" in bad.stderr
+
+
+@needs_default_model
+def test_gguf_raw_blocks_are_what_the_dequantized_weights_come_from():
+    """`iter_gguf_blocks` hands out each tensor as stored (for methods that run GGUF blocks); dequantizing a
+    block gives the float32 tensor the loader uses (after undoing llama.cpp's RoPE row order for Q/K)."""
+    import numpy as np
+    from gguf.quants import dequantize
+
+    from minfer.model.gguf import gguf_config, iter_gguf, iter_gguf_blocks, open_gguf, unpermute_rope
+
+    path = find_default_gguf()
+    reader = open_gguf(path)
+    cfg, _ = gguf_config(reader, path)
+    blocks = {b.name: b for b in iter_gguf_blocks(reader)}
+    assert {b.tensor_type.name for b in blocks.values()} >= {"Q4_1"}
+    q = blocks["model.layers.0.self_attn.q_proj.weight"]
+    assert q.shape == (cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size) and q.rope_permuted
+    want = dict(iter_gguf(reader, cfg))
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight"):
+        b = blocks[name]
+        w = torch.from_numpy(np.array(dequantize(b.data, b.tensor_type), dtype=np.float32))
+        if b.rope_permuted:
+            w = unpermute_rope(w, cfg.num_attention_heads)
+        assert tuple(w.shape) == b.shape
+        assert torch.equal(w, want[name])

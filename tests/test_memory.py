@@ -10,7 +10,7 @@ import torch
 from minfer import memory
 from minfer.config import ModelConfig
 from minfer.kv_cache import KVCachePool, bytes_per_block
-from minfer.model.attention import ContiguousKVCache
+from minfer.attention import ContiguousBackend
 
 
 def tiny_config(layers=3, heads=4, kv_heads=2, head_dim=8, hidden=32) -> ModelConfig:
@@ -31,7 +31,7 @@ SHAPES = [  # (layers, max_len, kv_heads, head_dim)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layers,max_len,kv_heads,head_dim", SHAPES)
 def test_formula_matches_contiguous_cache_tensors(dtype, layers, max_len, kv_heads, head_dim):
-    cache = ContiguousKVCache(layers, max_len, kv_heads, head_dim, dtype)
+    cache = ContiguousBackend(layers, max_len, kv_heads, head_dim, dtype)
     formula = memory.kv_cache_bytes(layers, 1, max_len, kv_heads, head_dim, dtype)
     assert cache.nbytes == formula
     # The torch dtype and its name give the same answer.
@@ -43,7 +43,7 @@ def test_formula_matches_contiguous_cache_tensors(dtype, layers, max_len, kv_hea
 def test_batch_is_a_factor(dtype):
     one = memory.kv_cache_bytes(4, 1, 100, 2, 16, dtype)
     # batch sequences of the same length: batch contiguous caches, batch times the bytes.
-    caches = [ContiguousKVCache(4, 100, 2, 16, dtype) for _ in range(5)]
+    caches = [ContiguousBackend(4, 100, 2, 16, dtype) for _ in range(5)]
     assert sum(c.nbytes for c in caches) == memory.kv_cache_bytes(4, 5, 100, 2, 16, dtype) == 5 * one
 
 
@@ -73,7 +73,7 @@ def test_kv_bytes_per_token_of_a_config(dtype, elem):
     assert per_token == 5 * 3 * 16 * 2 * elem
     assert per_token * 123 == memory.kv_cache_bytes(5, 1, 123, 3, 16, dtype)
     if dtype != "int8":
-        assert per_token * 10 == ContiguousKVCache(5, 10, 3, 16, getattr(torch, dtype)).nbytes
+        assert per_token * 10 == ContiguousBackend(5, 10, 3, 16, getattr(torch, dtype)).nbytes
 
 
 def test_kv_bytes_per_token_default_dtype_is_two_bytes():

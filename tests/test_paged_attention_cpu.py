@@ -1,4 +1,4 @@
-"""The C++ decode-attention kernel (minfer/model/paged_attention_cpu.py, csrc/paged_decode_cpu.cpp) against
+"""The C++ decode-attention kernel (minfer/attention/cpu.py, attention/csrc/paged_decode_cpu.cpp) against
 `attend` run on each sequence alone, and the engine's choice of backend.
 
     pytest tests/test_paged_attention_cpu.py
@@ -10,8 +10,8 @@ import shutil
 import pytest
 import torch
 
-from minfer.model import paged_attention_cpu as cpu
-from minfer.model.attention import Attention, ForwardContext, PagedTorchBackend, attend
+from minfer.attention import cpu
+from minfer.attention import Attention, ForwardContext, PagedTorchBackend, attend
 from minfer.model.positions import alibi_slopes
 from tests.test_paged_torch_backend import _pool_and_tables
 
@@ -129,20 +129,17 @@ def test_kernel_rejects_what_it_cannot_read():
 
 def test_disabled_kernel_falls_back_or_fails_clearly(monkeypatch, caplog):
     """MINFER_CPU_KERNELS=0: "auto" uses the torch reference with a warning; "cpu" is a clear ValueError."""
-    from minfer.engine import LLMEngine
+    from minfer.attention import get_attn_backend
 
     monkeypatch.setenv("MINFER_CPU_KERNELS", "0")
     cpu._library.cache_clear()
     try:
-        engine = LLMEngine.__new__(LLMEngine)  # only _make_backend is exercised: no model needed
-        engine.device = torch.device("cpu")
-        engine.model_config = type("M", (), {"dtype": torch.float32})()
-        engine.pool = type("P", (), {"layers": [torch.zeros(2, 2, 4, 1, 8)]})()
-        with caplog.at_level("WARNING", logger="minfer.engine"):
-            assert type(engine._make_backend("auto")) is PagedTorchBackend
+        pool = [torch.zeros(2, 2, 4, 1, 8)]
+        with caplog.at_level("WARNING", logger="minfer.attention.selector"):
+            assert type(get_attn_backend("auto", pool)) is PagedTorchBackend
         assert "MINFER_CPU_KERNELS=0" in caplog.text
         with pytest.raises(ValueError, match="attention_backend='cpu' cannot run here"):
-            engine._make_backend("cpu")
+            get_attn_backend("cpu", pool)
     finally:
         monkeypatch.delenv("MINFER_CPU_KERNELS")
         cpu._library.cache_clear()

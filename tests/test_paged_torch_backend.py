@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from minfer.model.attention import Attention, ForwardContext, PagedTorchBackend, attend
+from minfer.attention import Attention, ForwardContext, PagedTorchBackend, attend
 from minfer.model.positions import alibi_slopes
 
 

@@ -30,6 +30,7 @@ from tests.serving import running_server  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 MAX_MODEL_LEN = 512
+MAX_SEQS_PER_REQUEST = 32  # low, so that a request at the cap runs in seconds on a CPU
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -41,8 +42,9 @@ def _env() -> dict:
 @pytest.fixture(scope="module")
 def server():
     """The real server, real model: yields its base URL; stopped at the end (no traceback allowed in its log)."""
-    with running_server(["--max-model-len", str(MAX_MODEL_LEN), "--disable-log-requests",
-                         "--uvicorn-log-level", "warning"], fake_engine_args=[MODEL, str(MAX_MODEL_LEN)]) as url:
+    with running_server(["--max-model-len", str(MAX_MODEL_LEN), "--max-seqs-per-request", str(MAX_SEQS_PER_REQUEST),
+                         "--disable-log-requests", "--uvicorn-log-level", "warning"],
+                        fake_engine_args=[MODEL, str(MAX_MODEL_LEN)]) as url:
         yield url
 
 
@@ -133,7 +135,7 @@ def test_flags_map_onto_engine_args():
 def test_api_key_required_in_process():
     from fastapi.testclient import TestClient
 
-    from minfer.serve.api import build_app
+    from minfer.serve.routes import build_app
 
     app = build_app(FakeEngine(), served_model_names=["fake"], api_key="sekret", log_requests=False)
     with TestClient(app) as c:
@@ -159,7 +161,7 @@ def test_api_key_required_in_process():
 def test_engine_step_crash_fails_only_running_requests():
     from fastapi.testclient import TestClient
 
-    from minfer.serve.api import build_app
+    from minfer.serve.routes import build_app
 
     class Crashy(FakeEngine):
         crash = True
@@ -459,3 +461,65 @@ def test_bad_stream_options_rejected_before_admission(server):
                                                           "response_format": "json"}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
     _wait_all_blocks_free(base, timeout=2.0)
+
+
+def test_limits_derived_at_startup_refuse_before_tokenizing(server):
+    """SmolLM2's longest token is 81 characters: no prompt of more than 512 x 81 characters fits 512 tokens."""
+    limits = httpx.get(server + "/v1/stats", timeout=10).json()["limits"]
+    assert limits["max_prompt_chars"] == MAX_MODEL_LEN * 81
+    assert limits["max_seqs_per_request"] == MAX_SEQS_PER_REQUEST
+    t0 = time.perf_counter()
+    r = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": "a" * (MAX_MODEL_LEN * 81 + 1)},
+                   timeout=60)
+    assert r.status_code == 400 and "--max-prompt-chars" in r.json()["error"]["message"], r.text
+    assert time.perf_counter() - t0 < 5
+    r = httpx.post(server + "/v1/completions", timeout=60,
+                   json={"model": MODEL, "prompt": ["hi"] * 8, "n": 5, "max_tokens": 1})
+    assert r.status_code == 400 and "--max-seqs-per-request" in r.json()["error"]["message"], r.text
+
+
+def test_omitted_max_tokens_fits_a_near_full_prompt(client):
+    """max_tokens omitted (completions' default is 16): capped to the 3 tokens the prompt leaves, as vLLM does."""
+    ids = [1000 + i % 500 for i in range(MAX_MODEL_LEN - 3)]
+    r = client.completions.create(model=MODEL, prompt=ids, temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.prompt_tokens == MAX_MODEL_LEN - 3 and r.usage.completion_tokens == 3
+    assert r.choices[0].finish_reason == "length"
+
+
+def test_small_request_finishes_while_a_request_at_the_fan_out_cap_runs(server, client):
+    """8 prompts x n=4 = 32 sequences (the cap here) of 64 tokens each, and a 4-token request sent once they run.
+
+    The bound: the big request's 32 sequences and the small one fit in one batch (--max-num-seqs 256), so with
+    continuous batching the small one queues behind no one; its prefill and 3 more steps are about 4 of the
+    64 steps the big one decodes for. It must finish within a quarter of the big one's time: 4x slack over
+    that, and far less than the whole, which is what queueing behind the big request would cost.
+    """
+    before = _wait_all_blocks_free(server)["num_generation_tokens_total"]
+    big = {"model": MODEL, "prompt": [f"Story {i}: once upon a time" for i in range(8)], "n": 4, "max_tokens": 64,
+           "ignore_eos": True, "temperature": 1.0, "seed": 0}
+    done: dict = {}
+
+    def run_big():
+        t0 = time.perf_counter()
+        done["response"] = httpx.post(server + "/v1/completions", json=big, timeout=300)
+        done["span"] = (t0, time.perf_counter())
+
+    thread = threading.Thread(target=run_big)
+    thread.start()
+    deadline = time.time() + 60
+    while _stats(server)["num_generation_tokens_total"] == before:  # decoding: its prefill is done
+        assert time.time() < deadline and thread.is_alive(), "the big request never started"
+        time.sleep(0.05)
+    t_small = time.perf_counter()
+    small = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    small_s = time.perf_counter() - t_small
+    thread.join(300)
+    r = done["response"]
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 32 and r.json()["usage"]["completion_tokens"] == 32 * 64
+    assert small.usage.completion_tokens == 4
+    big_start, big_end = done["span"]
+    assert t_small + small_s < big_end, "the small request finished after the big one"
+    assert small_s < (big_end - big_start) / 4, f"small: {small_s:.2f} s, big: {big_end - big_start:.2f} s"
+    _wait_all_blocks_free(server)

@@ -3,7 +3,7 @@
 (a) `TritonBackend` vs `PagedTorchBackend` on hand-built ForwardContexts: prefills with and without a
     cached prefix (or a later chunk), decodes, mixed batches, GQA, sliding windows, ALiBi, shuffled
     block tables. Tolerance fp32 2e-4 (as the kernel tests), fp16 4e-3.
-(b) `install_fused_ops` on a tiny random Llama: logits match the torch ops.
+(b) A tiny random Llama built with `BuildOptions(fused_ops=True)`: logits match the torch ops.
 (c) `TritonSampler`: greedy exact, seeded rows keep the torch stream, the fused path samples validly.
 (d) The real SmolLM2-135M through the engine with attention_backend="triton": greedy tokens identical to
     the torch backend. Under Triton's CPU interpreter this is slow (every kernel launch is interpreted in
@@ -17,11 +17,11 @@ import pytest
 import torch
 
 
-from minfer.kernels import interpreter_active  # noqa: E402
-from minfer.kernels.backend import TritonBackend, TritonSampler, install_fused_ops, window_size  # noqa: E402
-from minfer.model.attention import Attention, ForwardContext, PagedTorchBackend  # noqa: E402
-
-from tests.conftest import needs_default_model  # noqa: E402
+from minfer.attention import Attention, ForwardContext, PagedTorchBackend
+from minfer.attention.triton import TritonBackend, window_size
+from minfer.kernels import interpreter_active
+from minfer.kernels.sampler import TritonSampler
+from tests.conftest import needs_default_model
 
 DEVICES = (["cpu"] if interpreter_active() else []) + (["cuda"] if torch.cuda.is_available() else [])
 TOL = {torch.float32: 2e-4, torch.float16: 4e-3}
@@ -69,15 +69,12 @@ def make_batch(seqs, num_kv_heads, head_dim, block_size=4, dtype=torch.float32, 
         slot_mapping=torch.tensor(slots), block_tables=block_tables,
         context_lens=torch.tensor(ctx_lens, dtype=torch.int32))
     fields = {k_: (t.to(device) if isinstance(t, torch.Tensor) else t) for k_, t in fields.items()}
-    extra = {}
-    if p < len(seqs):
-        extra["max_decode_context"] = max(ctx_lens[p:])
-    return (pool.to(device, dtype), q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), fields, extra)
+    return pool.to(device, dtype), q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), fields
 
 
 def run_both(seqs, num_heads, num_kv_heads, head_dim=32, window=None, alibi=False, dtype=torch.float32,
              device="cpu", block_size=4):
-    pool, q, k, v, fields, extra = make_batch(seqs, num_kv_heads, head_dim, block_size, dtype, device,
+    pool, q, k, v, fields = make_batch(seqs, num_kv_heads, head_dim, block_size, dtype, device,
                                               num_heads=num_heads)
     slopes = None
     if alibi:
@@ -89,7 +86,7 @@ def run_both(seqs, num_heads, num_kv_heads, head_dim=32, window=None, alibi=Fals
     for cls in (PagedTorchBackend, TritonBackend):
         kv = pool.clone()
         backend = cls([kv])
-        ctx = ForwardContext(attn_backend=backend, extra=dict(extra), **fields)
+        ctx = ForwardContext(attn_backend=backend, **fields)
         outs.append(layer(q, k, v, ctx))
         pools.append(kv)
     ref, out = outs
@@ -143,7 +140,6 @@ def test_kernels_run_when_torch_imported_triton_first():
             "with torch.device('meta'):\n"  # as load_model: init under a device mode imports dynamo
             "    torch.nn.Embedding(4, 4)\n"
             "assert 'triton.language' in sys.modules and 'minfer.kernels' not in sys.modules\n"
-            "import minfer.kernels.backend\n"
             "from minfer.kernels import rms_norm\n"
             "x, w = torch.randn(2, 8), torch.ones(8)\n"
             "ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)\n"
@@ -158,11 +154,13 @@ def test_kernels_run_when_torch_imported_triton_first():
 # Fused ops on a tiny random model
 
 
-def test_install_fused_ops_tiny_model():
+def test_fused_ops_tiny_model():
+    """The fused kernels are chosen when the model is built; the same weights give the torch ops' logits."""
+    from minfer.attention import ContiguousBackend
     from minfer.config import ModelConfig
-    from minfer.model.attention import ContiguousKVCache
-    from minfer.model.layers import MLP, RMSNorm, silu_and_mul
+    from minfer.model.layers import MLP, BuildOptions, RMSNorm, silu_and_mul
     from minfer.model.llama import LlamaForCausalLM
+    from minfer.model.positions import RotaryEmbedding
 
     cfg = ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=48,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -175,35 +173,33 @@ def test_install_fused_ops_tiny_model():
     ids = torch.randint(0, 64, (7,))
 
     def logits(m):
-        cache = ContiguousKVCache(2, 8, 2, 16, torch.float32)
+        cache = ContiguousBackend(2, 8, 2, 16, torch.float32)
         with torch.inference_mode():
             h = m(ids, ForwardContext(cache, positions=torch.arange(7)))
             return m.compute_logits(h)
 
     ref = logits(model)
-    twin = LlamaForCausalLM(cfg).eval()
-    twin.load_state_dict(model.state_dict())
-    counts = install_fused_ops(model)
-    assert counts == {"rms_norm": 2 * 2 + 1 + 2 * 2, "mlp": 2, "rotary": 1}
-    assert install_fused_ops(model) == {"rms_norm": 0, "mlp": 0, "rotary": 0}  # idempotent
-    torch.testing.assert_close(logits(model), ref, atol=1e-4, rtol=1e-4)
-    # Only the instances changed: the classes and the untouched twin keep the torch code.
-    assert all(m.act is silu_and_mul for m in twin.modules() if isinstance(m, MLP))
-    assert all("forward" not in vars(m) for m in twin.modules() if isinstance(m, RMSNorm))
-    torch.testing.assert_close(logits(twin), ref)
+    fused = LlamaForCausalLM(cfg, build=BuildOptions(fused_ops=True)).eval()
+    fused.load_state_dict(model.state_dict())
+    norms = [m for m in fused.modules() if isinstance(m, RMSNorm)]
+    assert len(norms) == 2 * 2 + 1 + 2 * 2 and all(m.fused for m in norms)
+    assert all(m.act is not silu_and_mul for m in fused.modules() if isinstance(m, MLP))
+    assert all(m.fused for m in fused.modules() if isinstance(m, RotaryEmbedding))
+    torch.testing.assert_close(logits(fused), ref, atol=1e-4, rtol=1e-4)
+    # The default build keeps the torch code.
+    assert all(m.act is silu_and_mul for m in model.modules() if isinstance(m, MLP))
+    assert not any(m.fused for m in model.modules() if isinstance(m, RMSNorm))
 
 
 # ------------------------------------------------------------------------------------------------------
 # Sampler
 
 
-class _Seq:
-    def __init__(self, seed=None, **kw):
-        from minfer.sampling_params import SamplingParams
-        from minfer.sequence import request_generator
+def _Seq(seed=None, **kw):
+    from minfer.sampling_params import SamplingParams
+    from minfer.sequence import Sequence
 
-        self.params = SamplingParams(seed=seed, **kw)
-        self.generator = request_generator(self.params, 0, "cpu")
+    return Sequence("r", 0, [1], SamplingParams(seed=seed, **kw), max_model_len=64)
 
 
 def test_triton_sampler():

@@ -32,7 +32,7 @@ def run(model: str = "smollm2-135m-instruct", new_tokens: int = 64, repeats: int
 
     from minfer import LLM, SamplingParams
     from minfer.memory import weight_bytes
-    from minfer.model.loader import find_default_gguf
+    from minfer.model.sources import find_default_gguf
 
     if threads:
         torch.set_num_threads(threads)
@@ -63,7 +63,7 @@ def run(model: str = "smollm2-135m-instruct", new_tokens: int = 64, repeats: int
     for _ in tqdm(range(repeats), desc="decode benchmark"):
         ours.append((minfer_run(new_tokens) - minfer_run(1)) / (new_tokens - 1))
         theirs.append((hf_run(new_tokens) - hf_run(1)) / (new_tokens - 1))
-    wbytes = weight_bytes(llm.llm_engine.model)
+    wbytes = weight_bytes(llm.llm_engine.worker.model)
     bw = measure_read_bandwidth()
     res = {
         "model": model, "dtype": "float32", "threads": torch.get_num_threads(), "new_tokens": new_tokens,

@@ -45,7 +45,7 @@ TARGETS = {
     "engine_vs_one_at_a_time": 4.0,  # output tokens/s, engine / simple path
     "prefix_ttft_speedup": 3.0,  # TTFT cache off / cache on
     "itl_p99_reduction": 2.0,  # p99 ITL without chunking / with chunking
-    "sched_fraction_max": 0.10,  # (schedule + build_context) / step
+    "sched_fraction_max": 0.10,  # (schedule + prepare_inputs) / step
 }
 
 
@@ -92,7 +92,8 @@ def kv_bytes_for(llm_or_cfg, num_tokens: int, block_size: int = 16, margin: floa
     """Bytes of a KV pool that holds `num_tokens` tokens (with a margin), for the model of `llm_or_cfg`."""
     from minfer.kv_cache import bytes_per_block
 
-    cfg = getattr(getattr(llm_or_cfg, "llm_engine", None), "hf_config", llm_or_cfg)
+    engine = getattr(llm_or_cfg, "llm_engine", None)
+    cfg = engine.model_config.config if engine is not None else llm_or_cfg
     blocks = int(num_tokens * margin) // block_size + 16
     return blocks * bytes_per_block(cfg, block_size, torch.float32)
 
@@ -132,7 +133,7 @@ def load_hf_model(llm=None):
     """transformers' model on the same GGUF weights (float32), and its tokenizer's pad id."""
     from transformers import AutoModelForCausalLM
 
-    from minfer.model.loader import find_default_gguf
+    from minfer.model.sources import find_default_gguf
 
     p = find_default_gguf()
     model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
@@ -248,7 +249,7 @@ def run_throughput(llm=None, hf_model=None, settings: Settings | None = None, pr
         need = s.num_requests * (s.prompt_len[1] + s.output_len[1])
         llm = make_llm(max_model_len=s.prompt_len[1] + s.output_len[1] + 16,
                        kv_cache_memory_bytes=kv_bytes_for(_cfg(), need))
-    vocab = llm.llm_engine.hf_config.vocab_size
+    vocab = llm.llm_engine.model_config.vocab_size
     prompts, outs = make_workload(s.num_requests, s.prompt_len, s.output_len, vocab, s.seed)
     if "static" in baselines and hf_model is None:
         hf_model = load_hf_model()
@@ -300,7 +301,7 @@ def run_prefix(llm_on=None, llm_off=None, settings: Settings | None = None, prog
     kv = kv_bytes_for(_cfg(), 4 * max_len)
     llm_on = llm_on or make_llm(max_model_len=max_len, kv_cache_memory_bytes=kv, enable_prefix_caching=True)
     llm_off = llm_off or make_llm(max_model_len=max_len, kv_cache_memory_bytes=kv, enable_prefix_caching=False)
-    vocab = llm_on.llm_engine.hf_config.vocab_size
+    vocab = llm_on.llm_engine.model_config.vocab_size
     rng = random.Random(s.seed + 1)
     prefix = [rng.randrange(100, vocab) for _ in range(s.prefix_len)]
     suffixes = [[rng.randrange(100, vocab) for _ in range(s.suffix_len)] for _ in range(s.prefix_requests + 1)]
@@ -321,7 +322,7 @@ def measure_itl(llm, num_decodes: int, long_prompt: list[int], tail_steps: int, 
     latencies of the running decodes from its arrival until `tail_steps` steps after its first token, and
     the long prompt's TTFT. With `record_steps`, also the timeline of steps (sequence -> tokens)."""
     engine = llm.llm_engine
-    vocab = engine.hf_config.vocab_size
+    vocab = engine.model_config.vocab_size
     rng = random.Random(seed + 2)
     budget = engine.max_model_len - decode_prompt_len  # as long as they may: they are aborted at the end
     dec = [engine.add_request(f"dec{i}", [rng.randrange(100, vocab) for _ in range(decode_prompt_len)],
@@ -370,7 +371,7 @@ def run_itl(llm_chunked=None, llm_whole=None, settings: Settings | None = None, 
     llm_chunked = llm_chunked or make_llm(max_model_len=max_len, kv_cache_memory_bytes=kv, enable_chunked_prefill=True,
                                           max_num_batched_tokens=s.itl_chunk_budget)
     llm_whole = llm_whole or make_llm(max_model_len=max_len, kv_cache_memory_bytes=kv, enable_chunked_prefill=False)
-    vocab = llm_chunked.llm_engine.hf_config.vocab_size
+    vocab = llm_chunked.llm_engine.model_config.vocab_size
     rng = random.Random(s.seed + 3)
     long_prompt = [rng.randrange(100, vocab) for _ in range(s.itl_prompt_len)]
     _warmup(llm_chunked)
@@ -386,7 +387,8 @@ def run_itl(llm_chunked=None, llm_whole=None, settings: Settings | None = None, 
 
 def _cfg():
     """The default model's ModelConfig, read from the GGUF metadata (no weights loaded)."""
-    from minfer.model.loader import find_default_gguf, gguf_config, open_gguf
+    from minfer.model.gguf import gguf_config, open_gguf
+    from minfer.model.sources import find_default_gguf
 
     p = find_default_gguf()
     return gguf_config(open_gguf(p), p)[0]
@@ -395,7 +397,7 @@ def _cfg():
 # -- 4. scheduler overhead -------------------------------------------------------------------------------
 def run_sched(llm=None, settings: Settings | None = None, progress: bool = True) -> dict:
     """Part 4. With `sched_seqs` sequences decoding, time each step's parts: `scheduler.schedule()`,
-    `runner.build_context()` (flat ids, positions, block tables, slot mapping), the rest of the forward, and
+    `worker.prepare_inputs()` (flat ids, positions, block tables, slot mapping), the rest of the forward, and
     the engine's bookkeeping after it (from EngineStats)."""
     s = settings or Settings.full()
     prompt_len = 32
@@ -404,13 +406,13 @@ def run_sched(llm=None, settings: Settings | None = None, progress: bool = True)
         llm = make_llm(max_model_len=prompt_len + total + 16,
                        kv_cache_memory_bytes=kv_bytes_for(_cfg(), s.sched_seqs * (prompt_len + total + 16)))
     engine = llm.llm_engine
-    vocab = engine.hf_config.vocab_size
+    vocab = engine.model_config.vocab_size
     rng = random.Random(s.seed + 4)
     ids = [engine.add_request(None, [rng.randrange(100, vocab) for _ in range(prompt_len)], greedy(total))
            for _ in range(s.sched_seqs)]
     while any(len(engine.requests[r].metrics.token_times) < 2 for r in ids):  # all prefilled, decoding
         engine.step()
-    sched, runner = engine.scheduler, engine.runner
+    sched, worker = engine.scheduler, engine.worker
     t = dict(schedule=0.0, build=0.0)
 
     def wrap(obj, name, key):
@@ -425,7 +427,7 @@ def run_sched(llm=None, settings: Settings | None = None, progress: bool = True)
         setattr(obj, name, f)
 
     wrap(sched, "schedule", "schedule")
-    wrap(runner, "build_context", "build")
+    wrap(worker, "prepare_inputs", "build")
     before = engine.stats()
     running = []
     t0 = time.perf_counter()
@@ -434,14 +436,14 @@ def run_sched(llm=None, settings: Settings | None = None, progress: bool = True)
             running.append(len(sched.running))
             engine.step()
     finally:
-        del sched.schedule, runner.build_context
+        del sched.schedule, worker.prepare_inputs
     wall = time.perf_counter() - t0
     after = engine.stats()
     engine.abort_request(ids)
     sched_s = after.scheduler_time_s - before.scheduler_time_s
     fwd_s = after.forward_time_s - before.forward_time_s
     res = dict(settings=dict(seqs=s.sched_seqs, steps=s.sched_steps), running_per_step=running, wall_s=wall,
-               schedule_s=t["schedule"], build_context_s=t["build"], forward_s=fwd_s - t["build"],
+               schedule_s=t["schedule"], prepare_inputs_s=t["build"], forward_s=fwd_s - t["build"],
                bookkeeping_s=sched_s - t["schedule"], step_s=wall / s.sched_steps)
     res["sched_fraction"] = (t["schedule"] + t["build"]) / wall
     res["engine_overhead_fraction"] = (sched_s + t["build"]) / wall  # everything that is not the model
@@ -519,10 +521,10 @@ def format_report(res: dict) -> str:
         lines.append(f"[4] scheduler overhead: {r['settings']['seqs']} running decodes, {r['settings']['steps']} steps "
                      f"(running per step: {min(r['running_per_step'])}-{max(r['running_per_step'])})")
         n = r["settings"]["steps"]
-        for k in ("schedule_s", "build_context_s", "forward_s", "bookkeeping_s"):
+        for k in ("schedule_s", "prepare_inputs_s", "forward_s", "bookkeeping_s"):
             lines.append(f"    {k[:-2]:14s} {1e3 * r[k] / n:9.2f} ms/step  {100 * r[k] / r['wall_s']:5.1f}%")
         lines.append(f"    step           {1e3 * r['step_s']:9.2f} ms")
-        lines.append(f"    schedule + build_context = {100 * r['sched_fraction']:.1f}% of the step   (target < "
+        lines.append(f"    schedule + prepare_inputs = {100 * r['sched_fraction']:.1f}% of the step   (target < "
                      f"{100 * TARGETS['sched_fraction_max']:.0f}%: "
                      f"{_ok(r['sched_fraction'], TARGETS['sched_fraction_max'], lower_is_better=True)}); "
                      f"all engine overhead (+ bookkeeping) = {100 * r['engine_overhead_fraction']:.1f}%")
@@ -583,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
         s.static_batch_size = args.batch_size
     if args.simple_subset:
         s.simple_subset = args.simple_subset
-    from minfer.model.loader import ModelNotFoundError, find_default_gguf
+    from minfer.model.sources import ModelNotFoundError, find_default_gguf
 
     try:
         find_default_gguf()

@@ -1,4 +1,4 @@
-"""`python -m minfer.bench gemv`: why `minfer.model.layers.Linear` repacks its weights.
+"""`python -m minfer.bench gemv`: why `minfer.model.layers.Linear` repacks its weights (`minfer.model.linear_method`).
 
 Part 1, one row (batch-1 decode). For each weight shape of SmolLM2-135M, `copies` matrices (30, one per
 layer, so that they stream from memory rather than sit in a 32 MiB L3 cache) are multiplied by one token's
@@ -24,7 +24,8 @@ import json
 import torch
 
 from minfer.bench import best_time
-from minfer.model.layers import Linear, onednn_available
+from minfer.model.layers import Linear
+from minfer.model.linear_method import SplitLinearMethod, get_linear_method, onednn_available
 
 MAX_ROWS = 4096  # a 4096-row step of SmolLM2's whole weight stack already needs ~3 GB of activations
 SHAPES = {"q|k|v": (576, 960), "o_proj": (576, 576), "gate|up": (576, 3072), "down_proj": (1536, 576),
@@ -32,17 +33,17 @@ SHAPES = {"q|k|v": (576, 960), "o_proj": (576, 576), "gate|up": (576, 3072), "do
 
 
 def _layer(in_f: int, out_f: int, splits: int, layout: str) -> Linear:
-    lin = Linear(in_f, out_f)
+    method = SplitLinearMethod(splits) if layout == "split" else get_linear_method(layout)
+    lin = Linear(in_f, out_f, method=method)
     lin.weight.data.normal_()
-    if layout != "nn":
-        lin.process_weights_after_loading(splits, layout)
+    lin.process_weights_after_loading()
     return lin
 
 
 @torch.inference_mode()
 def measure(in_f: int, out_f: int, layout: str, splits: int = 1, copies: int = 30, repeats: int = 7) -> float:
     """GB/s of float32 weight bytes streamed by `copies` matrix-vector products in `layout` ("nn", "split"
-    with `splits` column slices, "onednn"; see `Linear.process_weights_after_loading`)."""
+    with `splits` column slices, "onednn"; see `minfer.model.linear_method`)."""
     layers = [_layer(in_f, out_f, splits, layout) for _ in range(copies)]
     x = torch.randn(1, in_f)
     t = best_time(lambda: [lin(x) for lin in layers], repeats)

@@ -3,28 +3,47 @@
 Every kernel has a plain-torch twin in `minfer.kernels.reference`; the tests compare the two.
 
 On a machine without CUDA the kernels still run: Triton's interpreter executes them with numpy on the CPU
-(slow, but exact enough to test and to read). The environment variable must be set *before* the kernels are
-decorated with `@triton.jit`, which is why it happens here, ahead of the imports below.
+(slow, but exact enough to test and to read). Triton reads `TRITON_INTERPRET=1` when it is first imported,
+so `minfer/__init__.py` (which runs before any module of the package) sets it; this package only asks.
 """
 
 from __future__ import annotations
 
-import os
+import sys
 
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from .cache import store_kvcache  # noqa: E402
-from .flash_attention import flash_attn_varlen  # noqa: E402
-from .fused import apply_rotary_, fused_add_rms_norm, fused_sample, rms_norm, silu_and_mul  # noqa: E402
-from .paged_decode import combine_splits, paged_attention_decode, paged_decode_splits  # noqa: E402
+from .cache import store_kvcache
+from .flash_attention import flash_attn_varlen, interpreter_active
+from .fused import apply_rotary_, fused_add_rms_norm, fused_sample, rms_norm, silu_and_mul
+from .paged_decode import combine_splits, paged_attention_decode, paged_decode_splits
 
 
-def interpreter_active() -> bool:
-    """True when Triton runs kernels with its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+def _reinterpret_triton_language() -> int:
+    """Make Triton's own library functions (tl.sum, tl.max, ...) runnable under the CPU interpreter.
+
+    `minfer/__init__.py` sets TRITON_INTERPRET=1 when there is no CUDA, but Triton only honours it for
+    functions decorated afterwards. A program that built a torch module before importing minfer (building
+    one under a device context imports torch._dynamo, which imports triton) has triton.language's helpers
+    as compiled-mode JITFunctions, and every kernel would fail with "Cannot call @triton.jit'd outside of
+    the scope of a kernel". Re-wrap them as interpreted functions, once, here. Returns how many were
+    re-wrapped (0 on a GPU, or when minfer was imported first).
+    """
+    if not interpreter_active():
+        return 0
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    n = 0
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not (name == "triton.language" or name.startswith("triton.language.")):
+            continue
+        for attr, obj in list(vars(mod).items()):
+            if isinstance(obj, JITFunction):
+                setattr(mod, attr, InterpretedFunction(obj.fn))
+                n += 1
+    return n
+
+
+_reinterpret_triton_language()
 
 
 __all__ = [

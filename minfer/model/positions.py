@@ -105,16 +105,30 @@ class RotaryEmbedding(nn.Module):
 
     cos/sin are tabulated once up to `max_positions` (float32), so a decode step only gathers rows.
     Dynamic NTK recomputes frequencies from the largest position in the forward, as transformers does.
+    `fused=True` rotates q and k in place with the Triton kernel `minfer.kernels.apply_rotary_`.
     """
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_position_embeddings: int,
-                 max_positions: int):
+                 max_positions: int, fused: bool = False):
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
-        self.max_position_embeddings = max_position_embeddings
+        self.max_position_embeddings, self.max_positions = max_position_embeddings, max_positions
         self.dynamic = (scaling or {}).get("rope_type") == "dynamic"
-        inv_freq, self.attention_scaling = compute_inv_freq(head_dim, theta, scaling, max_position_embeddings)
-        self.register_buffer("cos_sin", self._table(inv_freq, max_positions), persistent=False)
+        self.fused = fused
+        self.register_buffer("cos_sin", torch.empty(0), persistent=False)
+        self.init_buffers()
+
+    def init_buffers(self) -> None:
+        """(Re)compute the float32 cos/sin table `[2, max_positions, D/2]` on the buffer's device: a model
+        built on the "meta" device and then materialized (`to_empty`) has no values in it, and `.to(dtype)`
+        would have rounded it."""
+        inv_freq, self.attention_scaling = compute_inv_freq(self.head_dim, self.theta, self.scaling,
+                                                            self.max_position_embeddings)
+        device = self.cos_sin.device
+        if device.type == "meta":  # shapes only
+            self.cos_sin = torch.empty((2, self.max_positions, self.head_dim // 2), device=device)
+        else:
+            self.cos_sin = self._table(inv_freq, self.max_positions).to(device)
 
     def _table(self, inv_freq: torch.Tensor, n: int) -> torch.Tensor:
         freqs = torch.outer(torch.arange(n, dtype=torch.float32), inv_freq)
@@ -139,6 +153,11 @@ class RotaryEmbedding(nn.Module):
         `cos_sin`: this forward's `cos_sin_for(positions)`, computed once by the model for all its layers.
         """
         cos, sin = cos_sin if cos_sin is not None else self.cos_sin_for(positions)
+        if self.fused and cos.shape[-1] * 2 == q.shape[-1] and q.stride(-1) == 1 and k.stride(-1) == 1:
+            from minfer.kernels import apply_rotary_
+
+            # In place: q and k are fresh views of this layer's qkv projection, read by nothing else.
+            return apply_rotary_(q, k, cos.contiguous(), sin.contiguous())
         return (rotate_half_(q.float(), cos, sin).to(q.dtype), rotate_half_(k.float(), cos, sin).to(k.dtype))
 
 

@@ -1,11 +1,23 @@
 """`minfer.serve`: an OpenAI-compatible HTTP server around `LLMEngine` (article §9, §15, §16).
 
-- `python -m minfer.serve [flags]`: the command line (`minfer/serve/__main__.py`), flags named as vLLM's.
-- `build_app(engine, ...)`: the FastAPI app (`minfer/serve/api.py`), usable in-process.
-- `ServerMetrics`: the Prometheus metrics (`minfer/serve/metrics.py`).
+Split as vLLM's `vllm/entrypoints/openai/`, one job a module, in the order a request meets them:
+
+- `python -m minfer.serve [flags]`: the command line (`__main__.py`), flags named as vLLM's.
+- `build_app(engine, ...)`: the FastAPI app, its routes, auth and error handlers (`routes.py`), usable in-process.
+- `connection.py`: uvicorn's HTTP/1.1 protocol with deadlines on a client's headers and body.
+- `limits.py`: admission control, `ServerLimits`: what one request may ask (size, type, fan-out, prompt
+  length), refused before the work it would cost.
+- `protocol.py`: the OpenAI API's shapes: request bodies -> `SamplingParams` and prompts, `APIError`, the JSON
+  answers and streamed chunks.
+- `serving.py`: one generation request end to end: submit, then a JSON answer or a server-sent-event stream.
+- `EngineLoop`: the engine's own thread and its bridge to asyncio (`engine_loop.py`).
+- `ServerMetrics`: the Prometheus metrics (`metrics.py`).
 """
 
-from minfer.serve.api import APIError, EngineLoop, build_app
+from minfer.serve.engine_loop import EngineLoop
+from minfer.serve.limits import ServerLimits
 from minfer.serve.metrics import ServerMetrics
+from minfer.serve.protocol import APIError
+from minfer.serve.routes import build_app
 
-__all__ = ["APIError", "EngineLoop", "ServerMetrics", "build_app"]
+__all__ = ["APIError", "EngineLoop", "ServerLimits", "ServerMetrics", "build_app"]

@@ -18,10 +18,12 @@ import sys
 from dataclasses import fields
 
 from minfer.config import ATTENTION_BACKENDS, DEFAULT_MODEL, EngineArgs
+from minfer.serve.limits import ServerLimits
 
 logger = logging.getLogger("minfer.serve")
 
 _DEFAULTS = {f.name: f.default for f in fields(EngineArgs)}
+_LIMITS = ServerLimits()
 
 
 def _bytes(text: str) -> int:
@@ -56,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--host", default="127.0.0.1", metavar="ADDR", help="address to listen on (default: 127.0.0.1)")
     a("--port", type=_port, default=8000, metavar="N", help="TCP port (default: 8000)")
     a("--api-key", default=os.environ.get("MINFER_API_KEY"), metavar="KEY",
-      help="require 'Authorization: Bearer KEY' on /v1 routes (default: none; env MINFER_API_KEY)")
+      help="require 'Authorization: Bearer KEY' on every route but /health, /metrics and the demo page / "
+           "(default: none; env MINFER_API_KEY)")
     a("--tensor-parallel-size", "-tp", type=int, metavar="N", default=d["tensor_parallel_size"],
       help=f"GPUs to shard each layer over (default: {d['tensor_parallel_size']}; >1 not built)")
     a("--pipeline-parallel-size", "-pp", type=int, metavar="N", default=d["pipeline_parallel_size"],
@@ -98,7 +101,53 @@ def build_parser() -> argparse.ArgumentParser:
     a("--disable-log-requests", action="store_true", help="do not log each request (default: log them)")
     a("--uvicorn-log-level", default="info", metavar="LEVEL", choices=["critical", "error", "warning", "info", "debug", "trace"],
       help="uvicorn's log level: critical, error, warning, info, debug, trace (default: info)")
+    _add_limit_flags(p.add_argument_group("admission control and timeouts (chapter 9, section 9.8)"))
     return p
+
+
+def _add_limit_flags(group) -> None:
+    """The flags of `ServerLimits` (each with its unit and default), the API docs and CORS."""
+    lim, a = _LIMITS, group.add_argument
+    a("--max-request-body-bytes", type=_bytes, metavar="BYTES", default=lim.max_request_body_bytes,
+      help="largest request body; a bigger Content-Length is refused (413) before it is read, a chunked body "
+           f"is cut off at it (bytes, e.g. 16M; default: {lim.max_request_body_bytes} = 16 MiB)")
+    a("--max-prompt-chars", type=int, metavar="N", default=lim.max_prompt_chars,
+      help="longest prompt, or a chat's message contents together, refused (400) before tokenizing "
+           "(characters; default: max-model-len x the longest token of the vocabulary, which no longer prompt "
+           "can fit in: 8192 x 81 = 663552 for SmolLM2)")
+    a("--max-seqs-per-request", type=int, metavar="N", default=lim.max_seqs_per_request,
+      help=f"most sequences one request adds, prompts x n (sequences; default: {lim.max_seqs_per_request})")
+    a("--body-read-timeout", type=float, metavar="S", default=lim.body_read_timeout,
+      help=f"most time to send a request body; slower is a 408 (seconds; default: {lim.body_read_timeout:g})")
+    a("--header-read-timeout", type=float, metavar="S", default=lim.header_read_timeout,
+      help="most time to send a request's headers, from the connection's start or the request's first byte; "
+           f"slower is closed (seconds; default: {lim.header_read_timeout:g})")
+    a("--timeout-keep-alive", type=float, metavar="S", default=lim.timeout_keep_alive,
+      help=f"an idle connection is closed after (seconds; default: {lim.timeout_keep_alive:g}, uvicorn's)")
+    a("--h11-max-incomplete-event-size", type=_bytes, metavar="BYTES", default=lim.h11_max_incomplete_event_size,
+      help="largest header section; bigger is a 400 (bytes; default: "
+           f"{lim.h11_max_incomplete_event_size} = 16 KiB, h11's)")
+    docs = group.add_mutually_exclusive_group().add_argument
+    docs("--enable-fastapi-docs", action="store_true",
+      help="serve the OpenAPI schema at /openapi.json, behind --api-key if set; the interactive /docs and /redoc "
+           "are never served, as they load scripts from a CDN (default: off)")
+    docs("--disable-fastapi-docs", action="store_true",
+      help="vLLM's flag, accepted so its command lines run: the docs are already off by default (default: off)")
+    a("--allowed-origins", nargs="+", metavar="ORIGIN", default=None,
+      help="CORS origins: not built, and any value stops start-up; minfer sends no Access-Control-* header, so "
+           "only the server's own page can call it from a browser (default: none)")
+
+
+def limits_from(args: argparse.Namespace) -> ServerLimits:
+    """ServerLimits from parsed flags; raises ValueError for a bad value or a CORS origin (not built)."""
+    if args.allowed_origins:
+        raise ValueError(f"--allowed-origins {' '.join(args.allowed_origins)}: CORS is not built in minfer; "
+                         "leave it unset (only same-origin pages, such as the demo page, can call the API)")
+    return ServerLimits(
+        max_request_body_bytes=args.max_request_body_bytes, max_prompt_chars=args.max_prompt_chars,
+        max_seqs_per_request=args.max_seqs_per_request, body_read_timeout=args.body_read_timeout,
+        header_read_timeout=args.header_read_timeout, timeout_keep_alive=args.timeout_keep_alive,
+        h11_max_incomplete_event_size=args.h11_max_incomplete_event_size)
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:
@@ -135,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         engine_args = engine_args_from(args)
+        limits = limits_from(args)
     except ValueError as exc:
         print(f"python -m minfer.serve: error: {exc}", file=sys.stderr)
         return 2
@@ -155,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
 
     disable_created_metrics()  # no `*_created` series (as vLLM): this process is the server, nothing else
 
-    from minfer.serve.api import build_app  # noqa: PLC0415
+    from minfer.serve.connection import uvicorn_options  # noqa: PLC0415
+    from minfer.serve.routes import build_app  # noqa: PLC0415
 
     names = args.served_model_name or [engine_args.model]
     pool = engine.kv_pool_info()
@@ -166,11 +217,13 @@ def main(argv: list[str] | None = None) -> int:
                 pool.get("block_size", 0), pool.get("num_tokens", 0), _fmt_bytes(pool.get("bytes", 0)))
     logger.info("engine args: %s", engine_args)
     app = build_app(engine, served_model_names=names, api_key=args.api_key,
-                    log_requests=not args.disable_log_requests)
+                    log_requests=not args.disable_log_requests, limits=limits,
+                    enable_docs=args.enable_fastapi_docs)
+    logger.info("limits: %s", app.state.serving.limits)
     logger.info("serving on http://%s:%d (OpenAI API at /v1, metrics at /metrics, demo page at /)%s",
                 args.host, args.port, ", API key required" if args.api_key else "")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                timeout_graceful_shutdown=2)
+                timeout_graceful_shutdown=2, **uvicorn_options(limits))
     return 0
 
 

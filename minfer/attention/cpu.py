@@ -10,8 +10,8 @@ extension builder (`torch.utils.cpp_extension.load`: ninja, a build cache, a loc
 and calls it through `ctypes` with the tensors' data pointers, so the C++ needs no torch headers and builds
 in about a second.
 
-`CpuPagedBackend` is `PagedTorchBackend` with the decode part replaced; prefill is unchanged. The engine
-uses it by default for float32 on the CPU when the kernel builds (`attention_backend="auto"`), and falls
+`CpuPagedBackend` is `minfer.attention.torch_ref.PagedTorchBackend` with the decode part replaced; prefill is
+unchanged. The engine uses it by default for float32 on the CPU when the kernel builds (`attention_backend="auto"`), and falls
 back to the torch reference, with one warning, when it does not (no C++ compiler, no ninja, a platform
 whose compiler lacks OpenMP). `MINFER_CPU_KERNELS=0` turns it off.
 """
@@ -23,11 +23,13 @@ import functools
 import hashlib
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from minfer.model.attention import Attention, ForwardContext, PagedTorchBackend
+from minfer.attention.base import Attention, ForwardContext
+from minfer.attention.torch_ref import PagedTorchBackend
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +94,23 @@ def cpu_kernel_available() -> bool:
         return False
 
 
+def check_block_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, num_blocks: int,
+                       block_size: int) -> None:
+    """Raise ValueError unless every context length fits its table row and every block id is in the pool.
+
+    The C++ kernel reads raw memory and would not notice; this runs on the caller's integers, before any
+    int32 cast could wrap a large one into range."""
+    lens = context_lens.tolist()
+    if not lens:
+        return
+    if min(lens) < 1 or max(lens) > block_tables.shape[1] * block_size:
+        raise ValueError(f"context_lens must be in [1, {block_tables.shape[1] * block_size}] (the block table's "
+                         f"{block_tables.shape[1]} blocks of {block_size}), got {min(lens)}..{max(lens)}")
+    if block_tables.numel() and (int(block_tables.min()) < 0 or int(block_tables.max()) >= num_blocks):
+        raise ValueError(f"block ids must be in [0, {num_blocks}), got {int(block_tables.min())}.."
+                         f"{int(block_tables.max())}")
+
+
 def paged_attention_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                sliding_window: int | None = None, alibi_slopes: torch.Tensor | None = None,
@@ -147,13 +166,7 @@ def paged_attention_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if b == 0:
         return out
     if validate:  # on the caller's integers, before the int32 cast could wrap a large one into range
-        lens = context_lens.tolist()
-        if min(lens) < 1 or max(lens) > block_tables.shape[1] * bs:
-            raise ValueError(f"context_lens must be in [1, {block_tables.shape[1] * bs}] (the block table's "
-                             f"{block_tables.shape[1]} blocks of {bs}), got {min(lens)}..{max(lens)}")
-        if block_tables.numel() and (int(block_tables.min()) < 0 or int(block_tables.max()) >= num_blocks):
-            raise ValueError(f"block ids must be in [0, {num_blocks}), got {int(block_tables.min())}.."
-                             f"{int(block_tables.max())}")
+        check_block_tables(block_tables, context_lens, num_blocks, bs)
     block_tables = block_tables.to(torch.int32).contiguous()
     context_lens = context_lens.to(torch.int32).contiguous()
     slopes = None
@@ -168,6 +181,15 @@ def paged_attention_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return out
 
 
+@dataclass
+class CpuDecodeTables:
+    """The decode rows' block tables and context lengths as contiguous int32, converted (and checked) once
+    per forward and shared by all layers: `block_tables [B, max_blocks]`, `context_lens [B]`."""
+
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+
+
 class CpuPagedBackend(PagedTorchBackend):
     """`PagedTorchBackend` whose decode part runs the C++ kernel (float32 on the CPU only).
 
@@ -175,19 +197,24 @@ class CpuPagedBackend(PagedTorchBackend):
     back to the torch reference before serving anything.
     """
 
+    name = "cpu"
+
     def __init__(self, kv_caches: list[torch.Tensor]):
         _library()
         if any(c.dtype != torch.float32 or c.device.type != "cpu" for c in kv_caches):
             raise CpuKernelUnavailable("the CPU kernel handles a float32 KV pool on the CPU only")
         super().__init__(kv_caches)
 
-    def _decode(self, layer: Attention, kv, q, ctx: ForwardContext) -> torch.Tensor:
+    def _decode_plan(self, ctx: ForwardContext) -> CpuDecodeTables:
         p = ctx.num_prefills
-        tables, lens = ctx.extra.get("decode_tables"), ctx.extra.get("decode_lens")
-        first = tables is None
-        if first:  # once per forward, shared by all layers
-            tables = ctx.extra["decode_tables"] = ctx.block_tables[p:].to(torch.int32).contiguous()
-            lens = ctx.extra["decode_lens"] = ctx.context_lens[p:].to(torch.int32).contiguous()
-        # Every layer's pool has the same shape, so the bounds checked at the first layer hold for all.
-        return paged_attention_decode_cpu(q.contiguous(), kv[0], kv[1], tables, lens, layer.scale,
-                                          layer.sliding_window, layer.alibi_slopes, validate=first)
+        plan = CpuDecodeTables(ctx.block_tables[p:], ctx.context_lens[p:])
+        # Every layer's pool has the same shape, so bounds checked once hold for all layers.
+        check_block_tables(plan.block_tables, plan.context_lens, self.kv_caches[0].shape[1], self.block_size)
+        plan.block_tables = plan.block_tables.to(torch.int32).contiguous()
+        plan.context_lens = plan.context_lens.to(torch.int32).contiguous()
+        return plan
+
+    def _decode(self, layer: Attention, kv, q, ctx: ForwardContext) -> torch.Tensor:
+        plan = ctx.attn_metadata.decode
+        return paged_attention_decode_cpu(q.contiguous(), kv[0], kv[1], plan.block_tables, plan.context_lens,
+                                          layer.scale, layer.sliding_window, layer.alibi_slopes, validate=False)

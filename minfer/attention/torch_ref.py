@@ -1,90 +1,19 @@
-"""The attention seam: one `Attention` module, many places K/V can live.
+"""The plain-torch attention backends (article §1, §3): the references every kernel is checked against.
 
-A forward pass carries a `ForwardContext` (nano-vllm's `Context`, vLLM's attention metadata): where each
-token's K/V goes (`slot_mapping`), where each sequence's earlier K/V already is (`block_tables`,
-`context_lens`), and the varlen boundaries of the batch (`cu_seqlens_q/k`). The model never looks inside:
-it hands q, k, v to `ctx.attn_backend`, which writes the new K/V and computes attention.
-
-Backends here:
-- `ContiguousKVCache`: the simple path of chapter 1, one sequence, one preallocated tensor per layer.
-- `PagedTorchBackend`: the paged pool of chapter 3, read through block tables with plain torch.
-The Triton backend (chapter 4) lives in `minfer.kernels.backend` and plugs into the same seam.
+- `attend`: causal attention of one sequence through `F.scaled_dot_product_attention` (GQA, sliding window,
+  ALiBi), the reference of the Triton kernels and of the C++ decode kernel.
+- `ContiguousBackend`: chapter 1's KV cache, one sequence, one preallocated tensor per layer.
+- `PagedTorchBackend`: chapter 3's paged pool, read through block tables.
 """
 
 from __future__ import annotations
 
-import abc
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-
-@dataclass
-class ForwardContext:
-    """Everything a forward pass needs to know about where tokens and their K/V are.
-
-    Token order in a batch: the tokens of prefill sequences (whole prompts or chunks) first, then one token
-    per decoding sequence. Sequence i's rows in `block_tables`/`context_lens` follow the same order.
-
-    Attributes:
-        attn_backend: the object that stores K/V and computes attention.
-        positions: int64 `[num_tokens]`, each token's position in its sequence.
-        num_prefills: prefill sequences in the batch; num_prefill_tokens: their tokens.
-        cu_seqlens_q: int32 `[num_prefills + 1]`, query-token offsets of the prefill sequences.
-        cu_seqlens_k: int32 `[num_prefills + 1]`, key offsets (keys = cached prefix + this chunk).
-        max_seqlen_q, max_seqlen_k: the largest of those lengths (kernels size their grids with them).
-        slot_mapping: int64 `[num_tokens]`, the cache slot (block * block_size + offset) of each new token.
-        block_tables: int32 `[num_seqs, max_blocks]`, each sequence's blocks (padded with 0).
-        context_lens: int32 `[num_seqs]`, keys each sequence attends to after this step.
-        logits_indices: int64 `[num_seqs]`, the token whose logits are sampled for each sequence.
-        start_pos: for the contiguous cache, where this forward's tokens start.
-    """
-
-    attn_backend: "AttentionBackend"
-    positions: torch.Tensor
-    num_prefills: int = 0
-    num_prefill_tokens: int = 0
-    cu_seqlens_q: torch.Tensor | None = None
-    cu_seqlens_k: torch.Tensor | None = None
-    max_seqlen_q: int = 0
-    max_seqlen_k: int = 0
-    slot_mapping: torch.Tensor | None = None
-    block_tables: torch.Tensor | None = None
-    context_lens: torch.Tensor | None = None
-    logits_indices: torch.Tensor | None = None
-    start_pos: int = 0
-    extra: dict = field(default_factory=dict)
-
-
-class Attention(nn.Module):
-    """Scaled dot-product attention of one layer; the backend in the context does the work.
-
-    Holds what a backend needs to know about the layer: head counts, scale, sliding window, ALiBi slopes.
-    """
-
-    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None, alibi_slopes: torch.Tensor | None = None):
-        super().__init__()
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
-        self.layer_idx, self.num_heads, self.num_kv_heads, self.head_dim = layer_idx, num_heads, num_kv_heads, head_dim
-        self.scale = scale
-        self.sliding_window = sliding_window
-        self.alibi_slopes = alibi_slopes
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """q `[T, H, D]`, k/v `[T, KVH, D]` -> `[T, H, D]`."""
-        return ctx.attn_backend.forward(self, q, k, v, ctx)
-
-
-class AttentionBackend(abc.ABC):
-    """Interface: store the new k/v of `layer` and return attention output `[T, H, D]`."""
-
-    @abc.abstractmethod
-    def forward(self, layer: Attention, q, k, v, ctx: ForwardContext) -> torch.Tensor:
-        """q `[T, H, D]`, k/v `[T, KVH, D]` of this forward's tokens -> attention output `[T, H, D]`."""
+from minfer.attention.base import Attention, AttentionBackend, ForwardContext
 
 
 def visibility_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -121,32 +50,51 @@ def attend(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
     return out[0].transpose(0, 1)
 
 
-class ContiguousKVCache(AttentionBackend):
-    """Chapter 1's KV cache: per layer one `[max_len, KVH, D]` tensor for a single sequence.
+class ContiguousBackend(AttentionBackend):
+    """Chapter 1's KV cache as a backend: per layer one `[max_len, KVH, D]` tensor for a single sequence.
 
     Prefill writes rows [0, T) and attends causally; each decode step writes row `start_pos` and attends
     to rows [0, start_pos]. Allocated once, so decode does no per-token allocation.
+
+    Raises (at `store_kv`): ValueError when a forward would write past `max_len`.
     """
+
+    name = "contiguous"
 
     def __init__(self, num_layers: int, max_len: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
-        shape = (num_layers, max_len, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (max_len, num_kv_heads, head_dim)
+        super().__init__([torch.zeros((2, *shape), dtype=dtype, device=device) for _ in range(num_layers)])
         self.max_len = max_len
 
     @property
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+        return sum(t.numel() * t.element_size() for t in self.kv_caches)
 
-    def forward(self, layer: Attention, q, k, v, ctx: ForwardContext) -> torch.Tensor:
-        start, end = ctx.start_pos, ctx.start_pos + q.shape[0]
+    def store_kv(self, layer: Attention, k, v, ctx: ForwardContext) -> None:
+        start, end = ctx.start_pos, ctx.start_pos + k.shape[0]
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} tokens; this forward needs {end}")
-        kc, vc = self.k[layer.layer_idx], self.v[layer.layer_idx]
-        kc[start:end] = k
-        vc[start:end] = v
-        return attend(layer, q, kc[:end], vc[:end])
+        kv = self.kv_caches[layer.layer_idx]
+        kv[0, start:end] = k
+        kv[1, start:end] = v
+
+    def attend(self, layer: Attention, q, k, v, ctx: ForwardContext) -> torch.Tensor:
+        end = ctx.start_pos + q.shape[0]
+        kv = self.kv_caches[layer.layer_idx]
+        return attend(layer, q, kv[0, :end], kv[1, :end])
+
+
+@dataclass
+class PagedMetadata:
+    """What every layer of one paged forward shares (`ctx.attn_metadata` of `PagedTorchBackend`).
+
+    prefill_bounds: host-side `(q_start, q_end, num_keys)` of each prefill sequence.
+    decode: the length-sorted decode groups (None when the batch has no decoding sequence).
+    """
+
+    prefill_bounds: list[tuple[int, int, int]]
+    decode: "_DecodePlan | None"
 
 
 class PagedTorchBackend(AttentionBackend):
@@ -167,11 +115,22 @@ class PagedTorchBackend(AttentionBackend):
       reads them.
     """
 
+    name = "torch"
     DECODE_GROUP = 8
 
     def __init__(self, kv_caches: list[torch.Tensor]):
-        self.kv_caches = kv_caches
+        super().__init__(kv_caches)
+        self.block_size = kv_caches[0].shape[2]
         self._workspace: torch.Tensor | None = None  # [2, rows, block_size, KVH, D], grown on demand
+
+    def prepare(self, ctx: ForwardContext) -> PagedMetadata:
+        # Host-side offsets, read once per forward rather than once per layer.
+        bounds = []
+        if ctx.num_prefills:
+            cu, lens = ctx.cu_seqlens_q.tolist(), ctx.context_lens[:ctx.num_prefills].tolist()
+            bounds = [(cu[i], cu[i + 1], lens[i]) for i in range(ctx.num_prefills)]
+        has_decode = ctx.num_prefill_tokens < ctx.positions.shape[0]
+        return PagedMetadata(bounds, self._decode_plan(ctx) if has_decode else None)
 
     @staticmethod
     def store(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -188,15 +147,13 @@ class PagedTorchBackend(AttentionBackend):
         nblk = (length + bs - 1) // bs
         return cache[block_table[:nblk]].flatten(0, 1)[:length]
 
-    def forward(self, layer: Attention, q, k, v, ctx: ForwardContext) -> torch.Tensor:
+    def store_kv(self, layer: Attention, k, v, ctx: ForwardContext) -> None:
+        self.store(self.kv_caches[layer.layer_idx], k, v, ctx.slot_mapping)
+
+    def attend(self, layer: Attention, q, k, v, ctx: ForwardContext) -> torch.Tensor:
         kv = self.kv_caches[layer.layer_idx]
-        self.store(kv, k, v, ctx.slot_mapping)
         out = torch.empty_like(q)
-        bounds = ctx.extra.get("prefill_bounds")
-        if bounds is None:  # host-side offsets, read once per forward rather than once per layer
-            cu, lens = ctx.cu_seqlens_q.tolist(), ctx.context_lens[:ctx.num_prefills].tolist()
-            bounds = ctx.extra["prefill_bounds"] = [(cu[i], cu[i + 1], lens[i]) for i in range(ctx.num_prefills)]
-        for i, (q0, q1, n) in enumerate(bounds):
+        for i, (q0, q1, n) in enumerate(ctx.attn_metadata.prefill_bounds):
             if n == q1 - q0:  # a whole prompt, nothing cached before it: its keys are the new ones
                 keys, vals = k[q0:q1], v[q0:q1]
             else:  # a later chunk or a prefix-cache hit: earlier keys come from the pool
@@ -207,24 +164,21 @@ class PagedTorchBackend(AttentionBackend):
             out[ctx.num_prefill_tokens:] = self._decode(layer, kv, q[ctx.num_prefill_tokens:], ctx)
         return out
 
-    def _decode_plan(self, ctx: ForwardContext, block_size: int) -> "_DecodePlan":
-        """Once per forward (all layers share it): the decode sequences sorted by context length, cut into
-        groups of `DECODE_GROUP`, each with its block ids to gather and its padded key length."""
-        plan = ctx.extra.get("decode_plan")
-        if plan is None:
-            tables = ctx.block_tables[ctx.num_prefills:]
-            lens = ctx.context_lens[ctx.num_prefills:].long()
-            host_lens = lens.tolist()
-            order = sorted(range(len(host_lens)), key=host_lens.__getitem__)
-            order_t = torch.tensor(order, device=lens.device)
-            groups = []
-            for start in range(0, len(order), self.DECODE_GROUP):
-                end = min(start + self.DECODE_GROUP, len(order))
-                rows = order_t[start:end]
-                nblk = -(-host_lens[order[end - 1]] // block_size)  # the group's last row is its longest
-                groups.append(_DecodeGroup(start, end, tables[rows, :nblk].flatten(), nblk * block_size, lens[rows]))
-            plan = ctx.extra["decode_plan"] = _DecodePlan(order_t, torch.argsort(order_t), groups)
-        return plan
+    def _decode_plan(self, ctx: ForwardContext) -> "_DecodePlan":
+        """The decode sequences sorted by context length, cut into groups of `DECODE_GROUP`, each with its
+        block ids to gather and its padded key length."""
+        tables = ctx.block_tables[ctx.num_prefills:]
+        lens = ctx.context_lens[ctx.num_prefills:].long()
+        host_lens = lens.tolist()
+        order = sorted(range(len(host_lens)), key=host_lens.__getitem__)
+        order_t = torch.tensor(order, device=lens.device)
+        groups = []
+        for start in range(0, len(order), self.DECODE_GROUP):
+            end = min(start + self.DECODE_GROUP, len(order))
+            rows = order_t[start:end]
+            nblk = -(-host_lens[order[end - 1]] // self.block_size)  # the group's last row is its longest
+            groups.append(_DecodeGroup(start, end, tables[rows, :nblk].flatten(), nblk * self.block_size, lens[rows]))
+        return _DecodePlan(order_t, torch.argsort(order_t), groups)
 
     def _workspace_for(self, kv: torch.Tensor, rows: int) -> torch.Tensor:
         """A `[2, >= rows, block_size, KVH, D]` buffer for gathered K/V, reallocated only when it must grow."""
@@ -235,7 +189,7 @@ class PagedTorchBackend(AttentionBackend):
 
     def _decode(self, layer: Attention, kv, q, ctx: ForwardContext) -> torch.Tensor:
         """Decode: one query per sequence against its own context, group by group (see the class docstring)."""
-        plan = self._decode_plan(ctx, kv.shape[2])
+        plan = ctx.attn_metadata.decode
         ws = self._workspace_for(kv, max(g.block_ids.numel() for g in plan.groups))
         q_sorted = q[plan.order]  # [B, H, D], shortest context first: each group is a contiguous slice
         out = torch.empty_like(q_sorted)

@@ -1,0 +1,15 @@
+"""Attention (article §3, §4): the layer, the per-forward context, and the backends that store K/V.
+
+    base.py       Attention, ForwardContext (typed), AttentionBackend (store_kv / attend / prepare)
+    torch_ref.py  attend, ContiguousBackend (chapter 1), PagedTorchBackend (chapter 3): the references
+    cpu.py        CpuPagedBackend: a C++ decode kernel (csrc/paged_decode_cpu.cpp) over the paged pool
+    triton.py     TritonBackend over the Triton kernels of minfer.kernels (chapter 4)
+    selector.py   get_attn_backend(name, kv_caches): "auto", "torch", "cpu", "triton"
+"""
+
+from minfer.attention.base import Attention, AttentionBackend, ForwardContext
+from minfer.attention.selector import ATTENTION_BACKENDS, get_attn_backend, resolve_backend_name
+from minfer.attention.torch_ref import ContiguousBackend, PagedTorchBackend, attend, visibility_mask
+
+__all__ = ["ATTENTION_BACKENDS", "Attention", "AttentionBackend", "ContiguousBackend", "ForwardContext",
+           "PagedTorchBackend", "attend", "get_attn_backend", "resolve_backend_name", "visibility_mask"]

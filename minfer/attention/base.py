@@ -1,0 +1,129 @@
+"""The attention seam (article §3, §4): one `Attention` layer, a typed `ForwardContext`, and the backend interface.
+
+A forward pass carries one `ForwardContext` (nano-vllm's `Context`, vLLM's attention metadata): where each
+token's K/V goes (`slot_mapping`), where each sequence's earlier K/V already is (`block_tables`,
+`context_lens`), and the varlen boundaries of the batch (`cu_seqlens_q/k`). The model never looks inside: it
+hands q, k, v to `ctx.attn_backend`, which stores the new K/V and computes attention.
+
+A backend does two things per layer, in this order:
+
+    store_kv(layer, k, v, ctx)      the new tokens' K/V -> their slots (a quantized KV cache converts here)
+    attend(layer, q, k, v, ctx)     attention of this forward's queries over the cached and new keys
+
+and one thing per forward: `prepare(ctx)` builds what every layer of the forward shares (host-side
+offsets, gather plans), stored in `ctx.attn_metadata` when the context is made, so no layer recomputes it.
+
+The backends: `minfer.attention.torch_ref` (plain torch, contiguous and paged: the references),
+`minfer.attention.cpu` (a C++ decode kernel reading the paged pool in place) and
+`minfer.attention.triton` (the Triton kernels of `minfer.kernels`). `minfer.attention.selector` picks one.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass
+class ForwardContext:
+    """Everything a forward pass needs to know about where tokens and their K/V are.
+
+    Token order in a batch: the tokens of prefill sequences (whole prompts or chunks) first, then one token
+    per decoding sequence. Sequence i's rows in `block_tables`/`context_lens` follow the same order.
+
+    Attributes:
+        attn_backend: the `AttentionBackend` that stores K/V and computes attention.
+        positions: int64 `[num_tokens]`, each token's position in its sequence.
+        num_prefills: prefill sequences in the batch. num_prefill_tokens: their tokens.
+        cu_seqlens_q: int32 `[num_prefills + 1]`, query-token offsets of the prefill sequences.
+        cu_seqlens_k: int32 `[num_prefills + 1]`, key offsets (keys = cached prefix + this chunk).
+        max_seqlen_q, max_seqlen_k: the largest of those lengths (kernels size their grids with them).
+        slot_mapping: int64 `[num_tokens]`, the cache slot (block * block_size + offset) of each new token.
+        block_tables: int32 `[num_seqs, max_blocks]`, each sequence's blocks (padded with 0).
+        context_lens: int32 `[num_seqs]`, keys each sequence attends to after this step.
+        logits_indices: int64 `[num_sampled]`, the rows of the hidden states whose logits are sampled.
+        start_pos: for the contiguous (one-sequence) cache, where this forward's tokens start.
+        attn_metadata: what `attn_backend.prepare(self)` built for all layers of this forward (its type is
+            the backend's own; None for a backend that needs nothing). Filled in at construction.
+    """
+
+    attn_backend: "AttentionBackend"
+    positions: torch.Tensor
+    num_prefills: int = 0
+    num_prefill_tokens: int = 0
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    slot_mapping: torch.Tensor | None = None
+    block_tables: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
+    logits_indices: torch.Tensor | None = None
+    start_pos: int = 0
+    attn_metadata: Any = None
+
+    def __post_init__(self) -> None:
+        if self.attn_metadata is None:
+            self.attn_metadata = self.attn_backend.prepare(self)
+
+
+class Attention(nn.Module):
+    """Scaled dot-product attention of one layer; the backend in the context does the work.
+
+    Holds what a backend needs to know about the layer: its index (which KV tensor), head counts, softmax
+    scale, sliding window (tokens, None = full) and ALiBi slopes (float32 `[num_heads]` or None).
+
+    Raises:
+        ValueError: `num_heads` is not a multiple of `num_kv_heads` (GQA/MQA groups must be equal).
+    """
+
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None, alibi_slopes: torch.Tensor | None = None):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+        self.layer_idx, self.num_heads, self.num_kv_heads, self.head_dim = layer_idx, num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.alibi_slopes = alibi_slopes
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """q `[T, H, D]`, k/v `[T, KVH, D]` -> `[T, H, D]`."""
+        return ctx.attn_backend.forward(self, q, k, v, ctx)
+
+
+class AttentionBackend(abc.ABC):
+    """Where K/V live and how attention reads them. `kv_caches[layer]` is the backend's own per-layer store
+    (for the paged backends `[2, num_blocks, block_size, KVH, D]`: K and V)."""
+
+    name: str = "base"
+
+    def __init__(self, kv_caches: list[torch.Tensor]):
+        self.kv_caches = kv_caches
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The element type of the stored K/V (a quantized KV cache stores int8/fp8 here)."""
+        return self.kv_caches[0].dtype
+
+    def prepare(self, ctx: ForwardContext) -> Any:
+        """Once per forward: what all layers share (becomes `ctx.attn_metadata`). Default: nothing."""
+        return None
+
+    @abc.abstractmethod
+    def store_kv(self, layer: Attention, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> None:
+        """Write this forward's k/v `[T, KVH, D]` into the layer's store."""
+
+    @abc.abstractmethod
+    def attend(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               ctx: ForwardContext) -> torch.Tensor:
+        """q `[T, H, D]` (and the new k/v, already stored) -> attention output `[T, H, D]`."""
+
+    def forward(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        self.store_kv(layer, k, v, ctx)
+        return self.attend(layer, q, k, v, ctx)

@@ -1,0 +1,115 @@
+"""The Triton attention backend (article §4, plugged into chapter 3's seam).
+
+`TritonBackend` implements `minfer.attention.base.AttentionBackend` with the kernels of `minfer.kernels`:
+
+    store_kvcache            new K/V of every token -> its slot of the paged pool     (store_kv)
+    flash_attn_varlen        the prefill sequences (whole prompts, or chunks / prompts with a cached prefix)
+    paged_attention_decode   one query per decoding sequence, read through its block table
+
+The fused element-wise kernels (RMSNorm, SiLU-and-mul, RoPE) are chosen when the model is built
+(`minfer.model.layers.BuildOptions(fused_ops=True)`), and the fused sampler is
+`minfer.kernels.sampler.TritonSampler`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minfer.attention.base import Attention, AttentionBackend, ForwardContext
+from minfer.kernels import flash_attn_varlen, paged_attention_decode, store_kvcache
+
+
+def window_size(layer: Attention) -> tuple[int, int]:
+    """flash_attn's (left, right) for the layer: a window of W tokens (key j visible to the query at p iff
+    p - W < j <= p) is (W - 1, 0); no window is (-1, -1) (causality is the kernels' own)."""
+    w = layer.sliding_window
+    return (w - 1, 0) if w else (-1, -1)
+
+
+class _PrefillPlan:
+    """What every layer of one forward needs for its prefill part; computed once per ForwardContext.
+
+    has_prefix: some prefill sequence attends to more keys than its new tokens (cached prefix, or a later
+    chunk of a chunked prompt); then `key_slots [total_k]` are the pool slots of all its keys, in
+    cu_seqlens_k order, so a layer gathers them with one index op per cache.
+    """
+
+    def __init__(self, ctx: ForwardContext, block_size: int):
+        p, n_pt = ctx.num_prefills, ctx.num_prefill_tokens
+        # One sequence: host-side already. Several: one small device->host read per forward (not per layer).
+        self.total_k = int(ctx.max_seqlen_k if p == 1 else ctx.cu_seqlens_k[p])
+        self.has_prefix = self.total_k != n_pt
+        self.key_slots = None
+        if self.has_prefix:
+            dev = ctx.context_lens.device
+            lens = ctx.context_lens[:p].long()
+            seq = torch.repeat_interleave(torch.arange(p, device=dev), lens, output_size=self.total_k)
+            pos = torch.arange(self.total_k, device=dev) - ctx.cu_seqlens_k[:p].long()[seq]
+            blocks = ctx.block_tables[:p].long()[seq, pos // block_size]
+            self.key_slots = blocks * block_size + pos % block_size
+
+
+class TritonBackend(AttentionBackend):
+    """Paged attention with the Triton kernels. `kv_caches[layer]` is `[2, num_blocks, block_size, KVH, D]`.
+
+    Per layer: one `store_kvcache` launch, one `flash_attn_varlen` launch over all prefill sequences,
+    one `paged_attention_decode` over all decoding sequences. Prefill sequences without a cached prefix
+    attend to their new k/v directly; otherwise their keys are gathered from the pool (the gather indices
+    are computed once per forward and shared by all layers: `ctx.attn_metadata`, a `_PrefillPlan`).
+    """
+
+    name = "triton"
+
+    def __init__(self, kv_caches: list[torch.Tensor]):
+        super().__init__(kv_caches)
+        self._slopes: dict[int, torch.Tensor] = {}
+
+    def _alibi(self, layer: Attention, device) -> torch.Tensor | None:
+        s = layer.alibi_slopes
+        if s is None:
+            return None
+        if s.device != device or s.dtype != torch.float32:
+            key = id(layer)
+            cached = self._slopes.get(key)
+            if cached is None or cached.device != device:
+                cached = self._slopes[key] = s.to(device=device, dtype=torch.float32).contiguous()
+            s = cached
+        return s
+
+    def prepare(self, ctx: ForwardContext) -> "_PrefillPlan | None":
+        return _PrefillPlan(ctx, self.kv_caches[0].shape[2]) if ctx.num_prefills else None
+
+    def store_kv(self, layer: Attention, k, v, ctx: ForwardContext) -> None:
+        kv = self.kv_caches[layer.layer_idx]
+        store_kvcache(k, v, kv[0], kv[1], ctx.slot_mapping)
+
+    def attend(self, layer: Attention, q, k, v, ctx: ForwardContext) -> torch.Tensor:
+        kv = self.kv_caches[layer.layer_idx]
+        k_cache, v_cache = kv[0], kv[1]
+        num_tokens, n_pt, p = q.shape[0], ctx.num_prefill_tokens, ctx.num_prefills
+        window, slopes = window_size(layer), self._alibi(layer, q.device)
+        if p == 0 or n_pt == num_tokens:
+            out = None  # one kernel writes everything: no torch.empty + copy
+        else:
+            out = torch.empty_like(q)
+        if p:
+            plan = ctx.attn_metadata
+            if plan.has_prefix:
+                keys = k_cache.flatten(0, 1)[plan.key_slots]
+                vals = v_cache.flatten(0, 1)[plan.key_slots]
+                cu_k = ctx.cu_seqlens_k
+            else:
+                keys, vals, cu_k = k[:n_pt], v[:n_pt], ctx.cu_seqlens_q
+            o = flash_attn_varlen(q[:n_pt], keys, vals, ctx.cu_seqlens_q, cu_k, ctx.max_seqlen_q,
+                                  ctx.max_seqlen_k, softmax_scale=layer.scale, causal=True, window_size=window,
+                                  alibi_slopes=slopes)
+            if out is None:
+                return o
+            out[:n_pt] = o
+        if n_pt < num_tokens:
+            o = paged_attention_decode(q[n_pt:], k_cache, v_cache, ctx.block_tables[p:], ctx.context_lens[p:],
+                                       softmax_scale=layer.scale, window_size=window, alibi_slopes=slopes)
+            if out is None:
+                return o
+            out[n_pt:] = o
+        return out

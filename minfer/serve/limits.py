@@ -1,0 +1,224 @@
+"""Admission control: what one request may ask of the server, refused before the work it would cost (article §15).
+
+A server that tokenizes whatever arrives can be stalled by one client: a 50 MiB prompt took 170 s and 12 GB of
+RAM before the engine said it was too long. Every check here runs before the work it protects, in the order a
+request meets them (chapter 9 §9.8 lists each limit with its flag and default):
+
+1. `read_body`: the body must be `application/json` (415: a page on another origin cannot post it without a
+   CORS preflight, which minfer never grants), no bigger than `max_request_body_bytes` (413: refused from
+   `Content-Length` before a byte is read, or cut off at the limit while a chunked body streams in) and sent
+   within `body_read_timeout` seconds (408).
+2. `check_fan_out`: prompts x n, the sequences one request adds, at most `max_seqs_per_request` (400).
+3. `check_prompt_chars` / `check_message_chars`: no prompt longer than `max_prompt_chars` characters (400),
+   checked before tokenizing; `prompt_char_limit` derives the default from the tokenizer's vocabulary.
+
+`ServerLimits` holds them all, the connection-level timeouts that `connection.py` enforces included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass
+
+import anyio
+from starlette.requests import ClientDisconnect, Request
+
+from minfer.serve.protocol import APIError
+
+logger = logging.getLogger("minfer.serve")
+
+# 413 and 408 leave the rest of the body unread on the socket: the connection cannot carry another request
+_CLOSE = {"Connection": "close"}
+_SECONDS = ("body_read_timeout", "header_read_timeout", "timeout_keep_alive")  # the others are counts
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Every bound the server puts on a client; each field is a flag of `python -m minfer.serve`.
+
+    Args:
+        max_request_body_bytes: largest request body (bytes; `--max-request-body-bytes`). The default, 16 MiB,
+            holds the largest request the other limits let through in its longest form: 256 prompts of 8,192
+            token ids at up to 7 bytes an id ("49151, ") is 14.7 MB.
+        max_prompt_chars: longest prompt, or all of a chat's message contents together (characters;
+            `--max-prompt-chars`); None: `prompt_char_limit` of the served tokenizer, computed at start-up.
+        max_seqs_per_request: most sequences one request adds, prompts x n (`--max-seqs-per-request`).
+        body_read_timeout: most time from the end of the headers to the end of the body (seconds;
+            `--body-read-timeout`); 30 s moves 16 MiB at 0.5 MB/s.
+        header_read_timeout: most time to send a request's headers, from the connection's start or the first
+            byte of the request (seconds; `--header-read-timeout`).
+        timeout_keep_alive: how long an idle connection stays open between two requests (seconds;
+            `--timeout-keep-alive`, uvicorn's option and default).
+        h11_max_incomplete_event_size: largest header section (bytes; `--h11-max-incomplete-event-size`, h11's
+            default, 16 KiB); a bigger one is a 400 from h11.
+
+    Raises:
+        ValueError: a limit that is not a positive number (the message names it).
+    """
+
+    max_request_body_bytes: int = 16 * 2**20
+    max_prompt_chars: int | None = None
+    max_seqs_per_request: int = 256
+    body_read_timeout: float = 30.0
+    header_read_timeout: float = 10.0
+    timeout_keep_alive: float = 5.0
+    h11_max_incomplete_event_size: int = 16 * 2**10
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.name == "max_prompt_chars":  # left to `resolve`
+                continue
+            whole = f.name not in _SECONDS
+            if (isinstance(value, bool) or not isinstance(value, int if whole else (int, float))
+                    or not math.isfinite(value) or value <= 0):
+                raise ValueError(f"{f.name} must be a positive {'integer' if whole else 'number of seconds'}, "
+                                 f"got {value!r}")
+
+    def resolve(self, tokenizer, max_model_len: int) -> "ServerLimits":
+        """These limits with `max_prompt_chars` filled in from `tokenizer` when it was left to the server."""
+        if self.max_prompt_chars is not None:
+            return self
+        chars = prompt_char_limit(tokenizer, max_model_len)
+        if chars is None:
+            logger.warning("the tokenizer's vocabulary cannot be read: prompts are limited only by "
+                           "--max-request-body-bytes; set --max-prompt-chars")
+            return self
+        return dataclasses.replace(self, max_prompt_chars=chars)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The character bound on prompts
+# ----------------------------------------------------------------------------------------------------------
+def longest_token_chars(tokenizer) -> int | None:
+    """The most characters of text one token can stand for, over the whole vocabulary; None if unknown.
+
+    Read from the vocabulary's own strings (`convert_ids_to_tokens`), special and added tokens included
+    ('<|im_start|>' is 12 characters). Such a string never has fewer characters than the text it matches:
+    byte-level BPE (SmolLM2, Llama 3, Qwen) writes one character per byte ('Ġ' is a space) and a character is
+    at least one byte; a SentencePiece piece writes one per character ('▁' is a space), and a byte-fallback
+    piece ('<0x0A>') six for one byte. A tokenizer without that vocabulary (a test's fake) may say its bound
+    in `max_token_chars`. SmolLM2's longest token is a newline and 80 spaces: 81.
+    """
+    hf = getattr(tokenizer, "hf", None)
+    if hf is not None and hasattr(hf, "convert_ids_to_tokens"):
+        pieces = hf.convert_ids_to_tokens(list(range(len(hf))))
+        return max((len(p) for p in pieces if isinstance(p, str)), default=None)
+    return getattr(tokenizer, "max_token_chars", None)
+
+
+def prompt_char_limit(tokenizer, max_model_len: int) -> int | None:
+    """max_model_len x `longest_token_chars`: no prompt with more characters fits in max_model_len tokens.
+
+    Each token stands for at most L characters, so a text of C characters needs at least C / L tokens, which is
+    more than max_model_len when C > max_model_len x L. This needs a tokenizer that deletes no characters
+    before it splits the text (true of every tokenizer minfer's supported models ship); one that does (say,
+    one that collapses runs of spaces) may have a prompt refused that would have fitted: set
+    `--max-prompt-chars` for it. For SmolLM2 at max_model_len 8192: 8192 x 81 = 663,552 characters.
+    """
+    longest = longest_token_chars(tokenizer)
+    return None if longest is None else int(max_model_len) * int(longest)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The checks, in the order a request meets them
+# ----------------------------------------------------------------------------------------------------------
+def require_json(request: Request) -> None:
+    """APIError(415) unless the request says its body is `application/json` (parameters such as charset allowed).
+
+    Browsers send `text/plain` and form types cross-origin without a CORS preflight; JSON needs one, and minfer
+    answers no preflight, so only same-origin pages (the demo page) can post to it.
+    """
+    given = request.headers.get("content-type")
+    if given is None or given.split(";", 1)[0].strip().lower() != "application/json":
+        shown = "none" if given is None else repr(given[:100])
+        raise APIError(415, f"Content-Type must be application/json, got {shown}", code="unsupported_media_type")
+
+
+async def read_body(request: Request, limits: ServerLimits) -> bytes:
+    """The request body, refused as soon as it is known to be too big or too slow.
+
+    Raises:
+        APIError(413): `Content-Length` over `limits.max_request_body_bytes` (nothing is read), or more than
+            that arrived (a chunked body is cut off there, so at most the limit is ever held).
+        APIError(408): the body took longer than `limits.body_read_timeout` seconds.
+        APIError(499): the client went away while sending it (nobody reads the answer).
+        Both 413 and 408 answer with `Connection: close`, since the rest of the body stays unread.
+    """
+    limit = limits.max_request_body_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:  # h11 refuses a non-numeric Content-Length itself
+        raise _too_large(int(declared), limit)
+    chunks, size = [], 0
+    try:
+        with anyio.fail_after(limits.body_read_timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(None, limit)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {limits.body_read_timeout:g} s "
+                            f"(--body-read-timeout); {size} bytes came", code="request_timeout",
+                       headers=_CLOSE) from None
+    except ClientDisconnect:
+        raise APIError(499, "the client disconnected while sending the request body") from None
+    return b"".join(chunks)
+
+
+def _too_large(declared: int | None, limit: int) -> APIError:
+    size = f"{declared} bytes" if declared is not None else "more than that"
+    return APIError(413, f"the request body is {size}; the server accepts at most {limit} bytes "
+                         "(--max-request-body-bytes)", code="request_too_large", headers=_CLOSE)
+
+
+def check_fan_out(num_prompts: int, n: int, limits: ServerLimits) -> None:
+    """APIError(400) if prompts x n, the sequences this request would add, is over `max_seqs_per_request`.
+
+    Each prompt is an engine request and each of its n completions a sequence with its own KV blocks; 20,000
+    one-token prompts, or 100 prompts with n=128, would queue ahead of every other client's request.
+    """
+    total = num_prompts * n
+    if total > limits.max_seqs_per_request:
+        raise APIError(400, f"this request asks for {num_prompts} prompt(s) x n={n} = {total} sequences; the "
+                            f"server takes at most {limits.max_seqs_per_request} per request "
+                            "(--max-seqs-per-request): split it or lower n", param="n" if n > 1 else "prompt")
+
+
+def _check_chars(chars: int, what: str, param: str, limits: ServerLimits, max_model_len: int) -> None:
+    if limits.max_prompt_chars is not None and chars > limits.max_prompt_chars:
+        raise APIError(400, f"{what} has {chars} characters; more than {limits.max_prompt_chars} cannot fit in "
+                            f"max_model_len={max_model_len} tokens (--max-prompt-chars)", param=param)
+
+
+def check_prompt_chars(prompts: list, limits: ServerLimits, max_model_len: int) -> None:
+    """APIError(400) for a text prompt over `max_prompt_chars` characters (token-id prompts are the engine's)."""
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            _check_chars(len(p), "the prompt" if len(prompts) == 1 else f"prompt[{i}]", "prompt", limits,
+                         max_model_len)
+
+
+def message_chars(messages) -> int:
+    """Characters of every message's content (a string, or the texts of its parts); anything else counts 0.
+
+    The chat template writes each content into the prompt whole, so the prompt has at least this many.
+    """
+    total = 0
+    for m in messages if isinstance(messages, list) else []:
+        content = m.get("content") if isinstance(m, dict) else None
+        parts = content if isinstance(content, list) else [content]
+        for part in parts:
+            text = part.get("text") if isinstance(part, dict) else part
+            total += len(text) if isinstance(text, str) else 0
+    return total
+
+
+def check_message_chars(messages, limits: ServerLimits, max_model_len: int) -> None:
+    """APIError(400) when a chat's message contents together are over `max_prompt_chars` characters."""
+    _check_chars(message_chars(messages), "messages", "messages", limits, max_model_len)

@@ -1,0 +1,308 @@
+"""The server's HTTP routes and `build_app`, the FastAPI app that holds them (article §9: what `vllm serve` runs).
+
+| route | answers |
+| --- | --- |
+| GET /health | `{"status": "ok"}`, restarting the engine loop's thread if it is not running |
+| GET /v1/models | the served model names, as OpenAI's model list |
+| POST /v1/completions | OpenAI's completions: a prompt (or several, or token ids) in, text out |
+| POST /v1/chat/completions | OpenAI's chat completions: messages in, rendered with the model's chat template |
+| GET /v1/stats | engine statistics as JSON, for the demo page |
+| GET /metrics | the Prometheus metrics (`metrics.py`) |
+| GET / | the demo page (`static/index.html`), with a Content-Security-Policy that allows only its own code |
+
+Each GET route also answers HEAD (the same headers, no body). Each handler only parses (with `protocol`, after
+the admission checks of `limits`) and hands over (to `serving.OpenAIServing`). They find what they share in
+`request.app.state`, as the handlers of vLLM's `vllm/entrypoints/openai/api_server.py` do, so they are plain
+module-level functions on one `APIRouter`. Every error, the framework's own 404 and 405 (with its `Allow`
+header) included, is answered with OpenAI's error body and counted in the metrics.
+
+With an API key every route needs `Authorization: Bearer <key>` except `PUBLIC_PATHS`: /health and /metrics
+(open in vLLM too: a load balancer and Prometheus read them) and the demo page, which holds no data and asks
+for the key itself. The OpenAPI schema is off unless asked for, and then behind the key; the interactive docs
+(/docs, /redoc) are never served, since FastAPI's load Swagger UI and ReDoc from a CDN. No route sends CORS
+headers: a page from another origin cannot read an answer, nor post JSON without a preflight.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import logging
+import re
+import secrets
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
+
+from minfer.sampling_params import SamplingParams
+from minfer.serve.engine_loop import EngineLoop
+from minfer.serve.limits import (
+    ServerLimits, check_fan_out, check_message_chars, check_prompt_chars, read_body, require_json)
+from minfer.serve.metrics import ServerMetrics
+from minfer.serve.protocol import (
+    DEFAULT_COMPLETION_MAX_TOKENS, APIError, normalize_messages, parse_json_body, parse_prompts, resolve_model,
+    sampling_params)
+from minfer.serve.serving import OpenAIServing
+
+logger = logging.getLogger("minfer.serve")
+
+STATIC_DIR = Path(__file__).parent / "static"
+PUBLIC_PATHS = frozenset({"/health", "/metrics", "/"})  # open even with --api-key
+
+router = APIRouter()
+
+
+def _get(path: str):
+    """A GET route that answers HEAD too (FastAPI's routes do not add HEAD: it would be a 405).
+
+    HEAD is a route of its own, left out of the OpenAPI schema, which allows one operation id per function.
+    """
+    def register(endpoint):
+        router.add_api_route(path, endpoint, methods=["HEAD"], include_in_schema=False)
+        return router.get(path)(endpoint)
+    return register
+
+
+def _serving(request: Request) -> OpenAIServing:
+    return request.app.state.serving
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Routes
+# ----------------------------------------------------------------------------------------------------------
+@_get("/health")
+async def health(request: Request):
+    engine_loop = _serving(request).engine_loop
+    if not engine_loop.alive:
+        engine_loop.start()
+    return {"status": "ok"}
+
+
+@_get("/v1/models")
+async def models(request: Request):
+    serving = _serving(request)
+    return {"object": "list", "data": [
+        {"id": name, "object": "model", "created": int(serving.started), "owned_by": "minfer",
+         "root": getattr(serving.engine, "model_name", name), "parent": None,
+         "max_model_len": serving.max_model_len}
+        for name in serving.served_model_names]}
+
+
+async def _parse(request: Request, *, chat: bool) -> tuple[OpenAIServing, dict, str, SamplingParams]:
+    """What both generation routes read first, in this order: the body (declared JSON, within the size and
+    time limits), the model, the sampling parameters."""
+    serving = _serving(request)
+    require_json(request)
+    body = parse_json_body(await read_body(request, serving.limits))
+    model = resolve_model(body, serving.served_model_names)
+    return serving, body, model, sampling_params(body, chat=chat)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    serving, body, model, params = await _parse(request, chat=False)
+    prompts = parse_prompts(body)
+    check_fan_out(len(prompts), params.n, serving.limits)  # before tokenizing: these cost nothing yet
+    check_prompt_chars(prompts, serving.limits, serving.max_model_len)
+
+    def tokenize() -> list:
+        return [serving.engine.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+
+    try:  # off the engine thread: a megabyte of prompt text must not stall everyone's decoding
+        prompts = await run_in_threadpool(tokenize)
+    except Exception as exc:  # e.g. lone surrogates the tokenizer cannot encode
+        raise APIError(400, f"the prompt could not be tokenized: {exc}", param="prompt") from None
+    return await serving.generate(request, body, prompts, params, chat=False, model=model, id_prefix="cmpl",
+                                  default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    serving, body, model, params = await _parse(request, chat=True)
+    check_fan_out(1, params.n, serving.limits)
+    check_message_chars(body.get("messages"), serving.limits, serving.max_model_len)
+    messages = normalize_messages(body.get("messages"))
+    try:
+        # Token ids, not text: the template already holds any BOS, and the engine would add another when
+        # it tokenized a string. Rendering and tokenizing run off the event loop and the engine thread.
+        prompt = await run_in_threadpool(serving.engine.tokenizer.encode_chat, messages)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise APIError(400, f"messages could not be rendered with the chat template: {exc}",
+                       param="messages") from None
+    return await serving.generate(request, body, [prompt], params, chat=True, model=model, id_prefix="chatcmpl",
+                                  default_max_tokens=None)
+
+
+@_get("/v1/stats")
+async def stats(request: Request):
+    serving = _serving(request)
+    engine_loop = serving.engine_loop
+    ttfts = list(engine_loop.recent_ttfts)
+    recent = [t for _, t in ttfts[-16:]]
+    return {"model": serving.model_id, "time": time.time(), "uptime_s": time.time() - serving.started,
+            "max_model_len": serving.max_model_len, "stats": engine_loop.latest_stats,
+            "kv_pool": engine_loop.kv_pool_info,
+            "recent_ttfts": [{"time": t, "ttft_s": v} for t, v in ttfts],
+            "ttft_recent_mean_s": sum(recent) / len(recent) if recent else None,
+            "num_requests_total": engine_loop.num_requests_added, "num_steps": engine_loop.num_steps,
+            "num_step_errors": engine_loop.num_step_errors, "engine_loop_alive": engine_loop.alive,
+            "limits": serving.limits.as_dict()}
+
+
+@_get("/metrics")
+async def prometheus_metrics(request: Request):
+    body, content_type = request.app.state.metrics.render()
+    return Response(body, headers={"Content-Type": content_type})
+
+
+@_get("/")
+async def index(request: Request):
+    page, headers = request.app.state.page
+    return Response(page, media_type="text/html", headers=headers)
+
+
+def page_with_headers(html: str) -> tuple[bytes, dict[str, str]]:
+    """The demo page and its security headers: a CSP that lets it run only its own code, and no framing.
+
+    The page's one inline `<script>` and one `<style>` are allowed by their SHA-256 (CSP level 2), so no
+    'unsafe-inline' is needed and an injected script or style would not run; it may fetch only its own origin
+    and load nothing else (`default-src 'none'`; the favicon is a `data:` URL). It writes model text with
+    `textContent`, never as markup. `frame-ancestors 'none'` and `X-Frame-Options` (for older browsers) keep
+    other sites from framing it to trick a click.
+    """
+    code = re.sub(r"<!--.*?-->", "", html, flags=re.S)  # a comment may name the tags too
+
+    def sources(tag: str) -> str:
+        blocks = re.findall(rf"<{tag}>(.*?)</{tag}>", code, re.S)
+        return " ".join("'sha256-%s'" % base64.b64encode(hashlib.sha256(b.encode()).digest()).decode()
+                        for b in blocks) or "'none'"
+
+    policy = (f"default-src 'none'; script-src {sources('script')}; style-src {sources('style')}; "
+              "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+    return html.encode(), {"Content-Security-Policy": policy, "X-Frame-Options": "DENY",
+                           "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Errors and auth
+# ----------------------------------------------------------------------------------------------------------
+def error_response(metrics: ServerMetrics, err: APIError) -> JSONResponse:
+    metrics.count_error(err.status)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+async def _api_error(request: Request, exc: APIError):
+    return error_response(request.app.state.metrics, exc)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    """The framework's own errors (no such route, wrong method) in OpenAI's shape, with their headers; a 405
+    names every method the path takes in `Allow`, which HTTP requires."""
+    headers = dict(exc.headers or {})
+    if exc.status_code == 405:
+        headers["Allow"] = _allowed_methods(request.scope)
+    return error_response(request.app.state.metrics, APIError(
+        exc.status_code, str(exc.detail), type="not_found_error" if exc.status_code == 404 else None,
+        headers=headers))
+
+
+def _allowed_methods(scope) -> str:
+    """The methods of every route at this path (Starlette's own 405 names only the first route's)."""
+    methods = set()
+    for route in router.routes:
+        match, _ = route.matches(scope)
+        if match is not Match.NONE:
+            methods |= route.methods
+    return ", ".join(sorted(methods))
+
+
+async def _internal(request: Request, exc: Exception):
+    logger.exception("internal error")
+    return error_response(request.app.state.metrics, APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+
+_EXCEPTION_HANDLERS = {APIError: _api_error, StarletteHTTPException: _http_error, Exception: _internal}
+
+
+class _AuthMiddleware:
+    """401 for every path but `PUBLIC_PATHS` without `Authorization: Bearer <api_key>`.
+
+    A list of what is open rather than of what is closed: a route added later (or FastAPI's /openapi.json)
+    is behind the key until someone decides otherwise. A plain ASGI middleware: Starlette's
+    `BaseHTTPMiddleware` would get in the way of streaming.
+    """
+
+    def __init__(self, app, api_key: str, metrics: ServerMetrics):
+        self.app, self.key, self.metrics = app, api_key.encode(), metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
+            header = dict(scope.get("headers") or []).get(b"authorization", b"")
+            scheme, _, token = header.partition(b" ")
+            # compare_digest: the time taken must not tell how much of a guessed key was right
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self.key):
+                response = error_response(self.metrics, APIError(
+                    401, "Incorrect or missing API key: send 'Authorization: Bearer <key>' with the key given "
+                         "to --api-key", code="invalid_api_key"))
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The app
+# ----------------------------------------------------------------------------------------------------------
+@asynccontextmanager
+async def _lifespan(app: FastAPI):
+    app.state.engine_loop.start()
+    try:
+        yield
+    finally:
+        app.state.engine_loop.stop()
+
+
+def build_app(engine, served_model_names: list[str] | str | None = None, api_key: str | None = None,
+              log_requests: bool = True, engine_loop: EngineLoop | None = None, limits: ServerLimits | None = None,
+              enable_docs: bool = False) -> FastAPI:
+    """A FastAPI app serving `engine` with OpenAI's API.
+
+    Args:
+        engine: an `LLMEngine` (or a fake with its interface); owned by the app's engine-loop thread.
+        served_model_names: names clients may put in "model" (the first one is reported); default:
+            `engine.model_name`.
+        api_key: when set, every route but `PUBLIC_PATHS` needs `Authorization: Bearer <api_key>`.
+        log_requests: log each request's id, prompt length and sampling parameters.
+        engine_loop: an existing `EngineLoop` for `engine` (default: a new one, with its own metrics).
+        limits: what one request may ask (default: `ServerLimits()`); a `max_prompt_chars` of None is derived
+            from the engine's tokenizer here. The connection limits in it are uvicorn's to enforce
+            (`connection.uvicorn_options`).
+        enable_docs: serve the OpenAPI schema at /openapi.json (behind the key, if one is set).
+
+    Returns:
+        the app; its engine loop starts with the app (lifespan) or on the first request.
+    """
+    if isinstance(served_model_names, str):
+        served_model_names = [served_model_names]
+    names = list(served_model_names or [getattr(engine, "model_name", "minfer")])
+    if engine_loop is None:
+        engine_loop = EngineLoop(engine, ServerMetrics(names[0]))
+    limits = (limits or ServerLimits()).resolve(engine.tokenizer, engine.model_config.max_model_len)
+    app = FastAPI(title="minfer", version="0.1", lifespan=_lifespan, exception_handlers=_EXCEPTION_HANDLERS,
+                  description="OpenAI-compatible server of minfer (a teaching LLM inference engine).",
+                  openapi_url="/openapi.json" if enable_docs else None, docs_url=None, redoc_url=None)
+    app.state.engine = engine
+    app.state.engine_loop = engine_loop
+    app.state.metrics = engine_loop.metrics or ServerMetrics(names[0])
+    app.state.served_model_names = names
+    app.state.page = page_with_headers((STATIC_DIR / "index.html").read_text(encoding="utf-8"))
+    app.state.serving = OpenAIServing(engine, engine_loop, names, log_requests, limits)
+    if api_key:
+        app.add_middleware(_AuthMiddleware, api_key=api_key, metrics=app.state.metrics)
+    app.include_router(router)
+    return app

@@ -1,0 +1,170 @@
+"""One generation request, from the engine loop back to the client: a JSON answer or a server-sent-event stream.
+
+Once a route has parsed its body into prompts and `SamplingParams`, both endpoints end the same way: submit
+the prompts to the engine loop, then either wait for all of them to finish and answer with one JSON object,
+or stream OpenAI's chunks as the tokens come out (`"stream": true`). vLLM does this per endpoint in
+`OpenAIServingCompletion` and `OpenAIServingChat` (`vllm/entrypoints/openai/serving_completion.py`,
+`serving_chat.py`); here the two differ only in the shapes `protocol` gives them, so one class serves both.
+
+A client that disconnects mid-stream (or mid-wait) aborts its engine requests, which frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import AsyncIterator
+
+import anyio
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from minfer.sampling_params import SamplingParams
+from minfer.serve.engine_loop import EngineLoop, RequestGroup, RequestSnapshot
+from minfer.serve.limits import ServerLimits
+from minfer.serve.protocol import (
+    SSE_DONE, APIError, StreamChunks, TokenText, completion_response, fit_max_tokens, sse)
+
+logger = logging.getLogger("minfer.serve")
+
+# Streamed answers are not to be cached or buffered by a proxy (nginx honours X-Accel-Buffering)
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class OpenAIServing:
+    """What the route handlers share: the engine, its loop, the served model names, the limits and the
+    token-text cache.
+
+    Args:
+        engine: the engine `engine_loop` owns (read here only for its tokenizer and model config).
+        engine_loop: the `EngineLoop` that runs `engine`.
+        served_model_names: names clients may put in "model"; the first one is reported by default.
+        log_requests: log each request's id, prompt count and sampling parameters.
+        limits: what one request may ask (`limits.ServerLimits`, its `max_prompt_chars` resolved).
+    """
+
+    def __init__(self, engine, engine_loop: EngineLoop, served_model_names: list[str], log_requests: bool,
+                 limits: ServerLimits):
+        self.engine = engine
+        self.limits = limits
+        self.engine_loop = engine_loop
+        self.served_model_names = served_model_names
+        self.model_id = served_model_names[0]
+        self.max_model_len = int(engine.model_config.max_model_len)
+        self.tok_text = TokenText(engine.tokenizer)
+        self.started = time.time()
+        self.log_requests = log_requests
+
+    async def generate(self, request: Request, body: dict, prompts: list[list[int]], params: SamplingParams, *,
+                       chat: bool, model: str, id_prefix: str, default_max_tokens: int | None):
+        """Run `prompts` (token ids); answer a dict (JSON), an SSE stream, or 499 if the client left.
+
+        `default_max_tokens` is the endpoint's default for an omitted max_tokens (None: up to max_model_len);
+        each prompt gets it capped to what is left after it (`protocol.fit_max_tokens`).
+        """
+        req_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        arrival = time.perf_counter()
+        group = RequestGroup(self.engine_loop, req_id, len(prompts))
+        if self.log_requests:
+            logger.info("request %s: %d prompt(s), %s", req_id, len(prompts), params)
+        per_prompt = [fit_max_tokens(params, len(p), self.max_model_len, default_max_tokens) for p in prompts]
+        await group.submit(prompts, per_prompt, arrival)
+        created = int(time.time())
+        k = params.logprobs or 0
+        if body.get("stream"):
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            chunks = StreamChunks(req_id, created, model, group.index, params.n, k, self.tok_text, chat=chat)
+            return _SSEResponse(_stream(group, chunks, include_usage, req_id), media_type="text/event-stream",
+                                headers=_SSE_HEADERS)
+        final = await _collect_unless_disconnected(request, group, req_id)
+        if final is None:  # answered with nginx's "client closed request", for the access log: nobody reads it
+            return Response(status_code=499)
+        return completion_response(req_id, created, model, [final[rid] for rid in group.rids], params.n, k,
+                                   self.tok_text, chat=chat)
+
+
+async def _collect(group: RequestGroup) -> dict[str, RequestSnapshot]:
+    """The last snapshot of each request of `group`, once all finished."""
+    final: dict[str, RequestSnapshot] = {}
+    async for snap in group.events():
+        final[snap.request_id] = snap
+    return final
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _collect_unless_disconnected(request: Request, group: RequestGroup,
+                                       req_id: str) -> dict[str, RequestSnapshot] | None:
+    """`_collect(group)`, or None (its requests aborted) if the client disconnects first."""
+    collect_task = asyncio.ensure_future(_collect(group))
+    disconnect_task = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({collect_task, disconnect_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (collect_task, disconnect_task):
+            if not t.done():
+                t.cancel()
+        group.abort()  # no-op unless the client left
+    if collect_task not in done:
+        logger.info("request %s: client disconnected, aborted", req_id)
+        return None
+    return collect_task.result()
+
+
+async def _stream(group: RequestGroup, chunks: StreamChunks, include_usage: bool, req_id: str) -> AsyncIterator[str]:
+    """The events of a streamed answer; an engine failure mid-stream is sent as an error event, then [DONE]."""
+    try:
+        first = chunks.first()
+        if first is not None:
+            yield first
+        try:
+            async for snap in group.events():
+                chunk = chunks.on_snapshot(snap)
+                if chunk is not None:
+                    yield chunk
+        except APIError as err:  # the status line is long gone: the error travels as an event
+            yield sse(err.body())
+        if include_usage:
+            yield chunks.usage_chunk()
+        yield SSE_DONE
+    finally:
+        if group.unfinished:
+            logger.info("request %s: stream closed early, aborting", req_id)
+        group.abort()
+
+
+class _SSEResponse(StreamingResponse):
+    """A streaming response that also watches for the client going away.
+
+    Whichever ends first, the stream or the client, cancels the other; the generator's `finally` then
+    aborts whatever is still running in the engine.
+    """
+
+    async def __call__(self, scope, receive, send) -> None:
+        async with anyio.create_task_group() as tg:
+            async def run_stream() -> None:
+                try:
+                    await self.stream_response(send)
+                except OSError:
+                    pass
+                tg.cancel_scope.cancel()
+
+            async def watch_disconnect() -> None:
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        break
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(run_stream)
+            tg.start_soon(watch_disconnect)
+        aclose = getattr(self.body_iterator, "aclose", None)
+        if aclose is not None:
+            await aclose()

@@ -1,0 +1,147 @@
+"""One device's worker (vLLM's `Worker` + `ModelRunner`): the model, the KV pool, the attention backend and the
+sampler, and the forward of each scheduled step.
+
+    Worker(args)                  load the model (with the fused ops the backend wants)
+    .profile_forward(n)           CUDA: measure the peak activation memory of an n-token forward
+    .init_kv_cache(blocks, cpu)   allocate the paged pool and swap space; pick the attention backend
+    .execute_model(batch)         swap blocks, build one ForwardContext, run the model, sample
+    .release(seq_ids)             forget per-sequence state (seeded random streams) of retired sequences
+
+The scheduler and block manager stay with the engine (the driver): a worker receives a step's sequences
+with their block tables and returns the sampled tokens. With tensor or pipeline parallelism (chapter 6)
+each rank has one worker holding its shard of the model and of the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from minfer.attention import ContiguousBackend, ForwardContext, get_attn_backend
+from minfer.config import EngineArgs
+from minfer.kv_cache import KVCachePool
+from minfer.model.loader import load_model
+from minfer.sampling import Sampler
+
+if TYPE_CHECKING:
+    from minfer.scheduler import ScheduledBatch
+
+logger = logging.getLogger("minfer.worker")
+
+
+class Worker:
+    """The model and everything that holds device memory for it.
+
+    Attributes:
+        model, config (`ModelConfig`), source (`ModelSource`), eos_token_ids, dtype, device: the loaded model.
+        pool (`KVCachePool`), backend (`AttentionBackend`), sampler: set by `init_kv_cache`.
+        build_time_s: seconds spent turning batches into tensors (part of the scheduling overhead).
+    """
+
+    def __init__(self, args: EngineArgs):
+        self.args = args
+        loaded = load_model(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                            fused_ops=args.attention_backend == "triton")
+        self.model = loaded.model
+        self.config, self.source, self.eos_token_ids, self.dtype = (
+            loaded.config, loaded.source, loaded.eos_token_ids, loaded.dtype)
+        self.device = next(self.model.parameters()).device
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(args.seed)
+        self.pool: KVCachePool | None = None
+        self.backend = None
+        self.sampler: Sampler | None = None
+        self.block_size = args.block_size
+        self.build_time_s = 0.0
+
+    def profile_forward(self, num_tokens: int) -> None:
+        """Run one forward of `num_tokens` tokens so the peak activation memory is measured before the KV pool
+        takes the rest of the device (vLLM's profile run). Only meaningful on CUDA."""
+        cfg = self.config
+        cache = ContiguousBackend(cfg.num_hidden_layers, num_tokens, cfg.num_key_value_heads, cfg.head_dim,
+                                  self.dtype, self.device)
+        with torch.inference_mode():
+            ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+            self.model(ids, ForwardContext(cache, positions=torch.arange(num_tokens, device=self.device)))
+        del cache
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        """Allocate the pool (and swap space), and choose the attention backend and the sampler for it.
+
+        Raises:
+            ValueError: attention_backend="cpu" where its kernel cannot run.
+        """
+        self.pool = KVCachePool(self.config, num_blocks, self.block_size, self.dtype, self.device, num_cpu_blocks)
+        self.backend = get_attn_backend(self.args.attention_backend, self.pool.layers)
+        if self.args.attention_backend == "triton":
+            from minfer.kernels.sampler import TritonSampler
+
+            self.sampler = TritonSampler(self.generator)  # fused_sample where a batch allows it
+        else:
+            self.sampler = Sampler(self.generator)
+
+    def prepare_inputs(self, batch: "ScheduledBatch") -> tuple[torch.Tensor, ForwardContext, list[int]]:
+        """Flat input ids `[num_tokens]` and the ForwardContext of a batch; also which batch rows sample this
+        step (those whose prompt is complete). Built with tensor ops, so the per-step cost does not grow with a
+        Python loop over tokens."""
+        dev = self.device
+        seqs, counts = batch.seqs, batch.num_new_tokens
+        ids: list[int] = []
+        for s, n in zip(seqs, counts):
+            a = s.num_computed_tokens
+            if n == 1 and s.output_token_ids and a == len(s) - 1:
+                ids.append(s.output_token_ids[-1])  # decode: no list concatenation
+            else:
+                ids.extend(s.all_token_ids[a:a + n])
+        starts = torch.tensor([s.num_computed_tokens for s in seqs], dtype=torch.long)
+        n_t = torch.tensor(counts, dtype=torch.long)
+        cu_q = torch.zeros(len(seqs) + 1, dtype=torch.long)
+        torch.cumsum(n_t, 0, out=cu_q[1:])
+        seq_idx = torch.repeat_interleave(torch.arange(len(seqs)), n_t)
+        positions = starts[seq_idx] + torch.arange(int(cu_q[-1])) - cu_q[:-1][seq_idx]
+        context_lens = starts + n_t
+        max_blocks = max(len(s.block_table) for s in seqs)
+        tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs],
+                              dtype=torch.int32)
+        slots = tables[seq_idx, positions // self.block_size].long() * self.block_size + positions % self.block_size
+        num_prefills = sum(1 for n in counts if n > 1)
+        n_pt = int(cu_q[num_prefills])
+        sample_rows = [j for j, s in enumerate(seqs) if s.num_computed_tokens + counts[j] == len(s)]
+        logits_indices = (cu_q[1:] - 1)[sample_rows]
+        ctx = ForwardContext(
+            attn_backend=self.backend, positions=positions.to(dev), num_prefills=num_prefills,
+            num_prefill_tokens=n_pt,
+            cu_seqlens_q=cu_q[:num_prefills + 1].to(torch.int32).to(dev),
+            cu_seqlens_k=torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(context_lens[:num_prefills], 0)]
+                                   ).to(torch.int32).to(dev),
+            max_seqlen_q=int(n_t[:num_prefills].max()) if num_prefills else 0,
+            max_seqlen_k=int(context_lens[:num_prefills].max()) if num_prefills else 0,
+            slot_mapping=slots.to(dev), block_tables=tables.to(dev), context_lens=context_lens.to(torch.int32).to(dev),
+            logits_indices=logits_indices.to(dev))
+        return torch.tensor(ids, dtype=torch.long, device=dev), ctx, sample_rows
+
+    @torch.inference_mode()
+    def execute_model(self, batch: "ScheduledBatch"):
+        """Swap blocks, run the forward, sample. Returns (batch rows that sampled, tokens, chosen-token
+        logprobs or None, per-row top-logprob dicts or None)."""
+        self.pool.swap_out(batch.swap_out)
+        self.pool.swap_in(batch.swap_in)
+        t0 = time.perf_counter()
+        input_ids, ctx, rows = self.prepare_inputs(batch)
+        self.build_time_s += time.perf_counter() - t0
+        hidden = self.model(input_ids, ctx)
+        if not rows:
+            return rows, None, None, None
+        logits = self.model.compute_logits(hidden[ctx.logits_indices])
+        tokens, chosen, tops = self.sampler(logits, [batch.seqs[j] for j in rows])
+        return rows, tokens.tolist(), (None if chosen is None else chosen.tolist()), tops
+
+    def release(self, seq_ids: list[int]) -> None:
+        """Drop the per-sequence state of retired sequences (their seeded random streams)."""
+        if self.sampler is not None:
+            self.sampler.release(seq_ids)

@@ -1,0 +1,167 @@
+"""The package's layering: data flows one way through the request path the README lists.
+
+1. Importing a lower layer (sampling, block manager, scheduler, sequence, tokenizer, detokenizer) loads no
+   `minfer.model` module: checked in a fresh interpreter, from `sys.modules`.
+2. No module imports one that sits earlier in the README's request flow ("each step is one call, and no
+   step calls back into an earlier one"): checked on the import graph, read with `ast` from every file of
+   `minfer/` (imports inside functions count; `if TYPE_CHECKING:` blocks do not). The steps and their
+   modules are parsed from the README itself, so the list and the code cannot drift apart.
+
+    pytest tests/test_layering.py
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "minfer"
+
+# Plain data and formulas every step may use; they import only each other.
+SHARED = {"minfer.config", "minfer.sequence", "minfer.outputs", "minfer.sampling_params", "minfer.memory"}
+# Entry points that drive the flow; they may import anything.
+TOP = {"minfer", "minfer.llm", "minfer.engine", "minfer.serve", "minfer.generate", "minfer.bench"}
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every `minfer...` module a file imports at run time (anywhere in it), as full dotted names."""
+    tree = ast.parse(path.read_text(), str(path))
+    me = module_name(path)
+    package = me if path.name == "__init__.py" else me.rsplit(".", 1)[0]
+    found: set[str] = set()
+
+    def visit(node):
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "minfer")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if mod.split(".")[0] == "minfer":
+                found.add(mod)
+                found.update(f"{mod}.{a.name}" for a in node.names)  # `from minfer.x import module`
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    known = {module_name(p) for p in PKG.rglob("*.py")}
+    return {m for m in found if m in known and m != me}
+
+
+def flow_from_readme() -> list[set[str]]:
+    """The README's numbered request-flow list -> for each step, the module prefixes it names."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("One request moves through the code in one direction:"):]
+    steps: list[str] = []
+    for line in section.splitlines()[1:]:
+        if re.match(r"^\d+\. ", line):
+            steps.append(line)
+        elif steps and line.startswith("   "):  # a wrapped item
+            steps[-1] += " " + line.strip()
+        elif steps:
+            break
+    flow = []
+    for step in steps:
+        paths = re.findall(r"`(minfer/[\w/]+(?:\.py)?)`", step)
+        flow.append({p.removesuffix(".py").rstrip("/").replace("/", ".") for p in paths})
+    return flow
+
+
+def step_of(module: str, flow: list[set[str]]) -> int | None:
+    for i, prefixes in enumerate(flow):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return i
+    return None
+
+
+def violations(graph: dict[str, set[str]], flow: list[set[str]]) -> list[str]:
+    """Edges that go back up the flow, or from shared data into the flow."""
+    bad = []
+    for mod, deps in sorted(graph.items()):
+        if mod in TOP or any(mod.startswith(t + ".") for t in TOP if t != "minfer"):
+            continue
+        mine = step_of(mod, flow)
+        for dep in sorted(deps):
+            theirs = step_of(dep, flow)
+            if mod in SHARED and dep not in SHARED:
+                bad.append(f"{mod} (shared data) imports {dep}")
+            elif mine is not None and theirs is not None and theirs < mine:
+                bad.append(f"{mod} (step {mine + 1}) imports {dep} (step {theirs + 1}), an earlier step")
+            elif mine is not None and dep in TOP:
+                bad.append(f"{mod} (step {mine + 1}) imports the entry point {dep}")
+    return bad
+
+
+def import_graph() -> dict[str, set[str]]:
+    return {module_name(p): imports_of(p) for p in PKG.rglob("*.py")}
+
+
+def test_readme_lists_the_flow_with_modules():
+    flow = flow_from_readme()
+    assert len([step for step in flow if step]) >= 8, flow
+    for prefixes in flow:
+        for p in prefixes:
+            assert (ROOT / (p.replace(".", "/") + ".py")).is_file() or (ROOT / p.replace(".", "/")).is_dir(), p
+
+
+def test_every_module_has_a_place():
+    """A module outside the flow, the shared data and the entry points would escape the check."""
+    flow = flow_from_readme()
+    homeless = [m for m in import_graph() if m not in SHARED and step_of(m, flow) is None
+                and not (m in TOP or any(m.startswith(t + ".") for t in TOP if t != "minfer"))]
+    assert not homeless, f"modules in no step of the README's request flow: {homeless}"
+
+
+def test_no_module_imports_an_earlier_step():
+    assert violations(import_graph(), flow_from_readme()) == []
+
+
+def test_the_check_can_fail():
+    flow = [{"minfer.tokenizer"}, {"minfer.scheduler"}, {"minfer.model"}]
+    assert violations({"minfer.model.llama": {"minfer.scheduler"}}, flow)
+    assert violations({"minfer.sequence": {"minfer.tokenizer"}}, flow)
+    assert not violations({"minfer.scheduler": {"minfer.model.llama", "minfer.sequence"}}, flow)
+    src = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from minfer.scheduler import X\n"
+    path = PKG / "_layering_probe.py"
+    try:
+        path.write_text(src + "def f():\n    from minfer.engine import LLMEngine\n")
+        assert imports_of(path) == {"minfer.engine"}
+    finally:
+        path.unlink()
+
+
+@pytest.mark.parametrize("module", ["minfer.sampling", "minfer.block_manager", "minfer.scheduler",
+                                    "minfer.sequence", "minfer.tokenizer", "minfer.detokenizer"])
+def test_lower_layers_load_no_model_module(module):
+    code = (f"import sys, {module}\n"
+            "print(sorted(m for m in sys.modules if m == 'minfer.model' or m.startswith('minfer.model.')))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[]", f"importing {module} loaded {r.stdout.strip()}"
