@@ -63,9 +63,14 @@ def normalize_messages(messages) -> list[dict]:
     return [{"role": _message_role(m, i), "content": _message_text(m, i)} for i, m in enumerate(messages)]
 
 
+MAX_ROLE_CHARS = 64  # OpenAI's roles are short words (system, user, assistant, tool, developer)
+
+
 def _message_role(m, i: int) -> str:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise ValueError(f"messages[{i}] must be an object with a string 'role', got {m!r:.200}")
+    if not 1 <= len(m["role"]) <= MAX_ROLE_CHARS:
+        raise ValueError(f"messages[{i}].role must have 1 to {MAX_ROLE_CHARS} characters, got {len(m['role'])}")
     return m["role"]
 
 

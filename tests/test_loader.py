@@ -164,3 +164,16 @@ def test_gguf_raw_blocks_are_what_the_dequantized_weights_come_from():
             w = unpermute_rope(w, cfg.num_attention_heads)
         assert tuple(w.shape) == b.shape
         assert torch.equal(w, want[name])
+
+
+@pytest.mark.parametrize("field,value", [("hidden_size", "32"), ("num_attention_heads", 0),
+                                         ("num_hidden_layers", -1), ("vocab_size", 1.5), ("head_dim", True)])
+def test_config_fields_of_the_wrong_kind_name_the_field(tmp_path, field, value):
+    """A malformed config.json is a ValueError naming the file and the field, not a torch TypeError or a
+    shape mismatch deep in loading."""
+    make_hf_model(tmp_path, "LlamaConfig", {})
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg[field] = value
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=rf"config.json: {field} must be a positive integer"):
+        load_model(str(tmp_path), dtype="float32")

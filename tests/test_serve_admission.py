@@ -205,6 +205,40 @@ def test_prompt_over_the_char_limit_is_refused_before_tokenizing():
     assert ServerLimits(max_prompt_chars=50).resolve(engine.tokenizer, MAX_MODEL_LEN).max_prompt_chars == 50
 
 
+def test_chat_roles_and_message_count_count_against_the_limits():
+    """Many empty messages, or one huge role, passed a check that counted contents only: 500,000 empty messages
+    (15 MB) were rendered and tokenized for 19 s, holding the GIL from everyone else. Roles count, roles are
+    short, and more messages than max_model_len tokens cannot fit: all refused before rendering."""
+    engine = FakeEngine(max_model_len=MAX_MODEL_LEN, num_blocks=512)
+    rendered: list[int] = []
+    encode_chat = engine.tokenizer.encode_chat
+    engine.tokenizer.encode_chat = lambda messages: rendered.append(len(messages)) or encode_chat(messages)
+    limit = MAX_MODEL_LEN * FakeTokenizer.max_token_chars
+    with TestClient(_app(engine)) as c:
+        for messages, words in [
+            ([{"role": "a", "content": ""}] * (MAX_MODEL_LEN + 1), "messages; each costs at least one token"),
+            ([{"role": "x" * 200, "content": "Hi"}], "role must have 1 to 64 characters"),
+            ([{"role": "user", "content": "a"}] * (MAX_MODEL_LEN // 2) + [{"role": "user", "content": "b" * limit}],
+             "--max-prompt-chars"),
+        ]:
+            err = _error(r := c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}))
+            assert r.status_code == 400 and err["param"] == "messages" and words in err["message"], err
+        assert rendered == [], "a refused conversation was rendered"
+        ok = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "alpha"}] * 8,
+                                                   "max_tokens": 1})
+        assert ok.status_code == 200, ok.text
+
+
+def test_numbers_python_cannot_read_are_a_400():
+    """An integer of more than 4300 digits makes json.loads raise a plain ValueError: a 400, not a 500."""
+    with TestClient(_app()) as c:
+        for path, body in [("/v1/completions", '{"prompt": "a", "seed": %s}' % ("9" * 5000)),
+                           ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a"}], '
+                                                    '"max_tokens": %s}' % ("9" * 4400))]:
+            r = c.post(path, content=body, headers=JSON)
+            assert r.status_code == 400 and "cannot be read" in _error(r)["message"], r.text
+
+
 def test_char_bound_holds_for_the_default_tokenizer(llm):
     """SmolLM2's longest token is 81 characters, and no token decodes to more (the bound's premise)."""
     tok = llm.tokenizer

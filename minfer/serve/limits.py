@@ -205,13 +205,19 @@ def check_prompt_chars(prompts: list, limits: ServerLimits, max_model_len: int) 
 
 
 def message_chars(messages) -> int:
-    """Characters of every message's content (a string, or the texts of its parts); anything else counts 0.
+    """Characters of every message's role and content (a string, or the texts of its parts); anything else
+    counts 0.
 
-    The chat template writes each content into the prompt whole, so the prompt has at least this many.
+    The chat template writes each content into the prompt whole, and the role with it (or a marker in its
+    place), so the prompt has at least this many characters, less at most the roles' length; roles are capped at
+    `minfer.tokenizer.MAX_ROLE_CHARS`, so counting them can only refuse a request that also breaks that cap.
     """
     total = 0
     for m in messages if isinstance(messages, list) else []:
-        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(m, dict):
+            continue
+        role, content = m.get("role"), m.get("content")
+        total += len(role) if isinstance(role, str) else 0
         parts = content if isinstance(content, list) else [content]
         for part in parts:
             text = part.get("text") if isinstance(part, dict) else part
@@ -220,5 +226,9 @@ def message_chars(messages) -> int:
 
 
 def check_message_chars(messages, limits: ServerLimits, max_model_len: int) -> None:
-    """APIError(400) when a chat's message contents together are over `max_prompt_chars` characters."""
+    """APIError(400) before rendering: more messages than max_model_len (every chat template writes at least one
+    token per message: its role marker), or more characters than `max_prompt_chars` (`message_chars`)."""
+    if isinstance(messages, list) and len(messages) > max_model_len:
+        raise APIError(400, f"messages has {len(messages)} messages; each costs at least one token, so more than "
+                            f"max_model_len={max_model_len} cannot fit", param="messages")
     _check_chars(message_chars(messages), "messages", "messages", limits, max_model_len)

@@ -83,6 +83,8 @@ def parse_json_body(raw: bytes) -> dict:
         raise APIError(400, f"request body is not valid JSON: {exc}") from None
     except RecursionError:  # e.g. [[[[...]]]] thousands deep: valid JSON, but nothing a request needs
         raise APIError(400, "request body is nested too deeply") from None
+    except ValueError as exc:  # e.g. an integer of more than 4300 digits (Python's int-parsing limit)
+        raise APIError(400, f"request body holds a value that cannot be read: {str(exc)[:200]}") from None
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
     return body
