@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--gpu-memory-utilization", type=float, metavar="FRAC", default=d["gpu_memory_utilization"],
       help=f"fraction of GPU memory for weights + KV cache, CUDA only (0-1; default: {d['gpu_memory_utilization']})")
     a("--kv-cache-memory-bytes", type=_bytes, metavar="BYTES", default=d["kv_cache_memory_bytes"],
-      help="KV pool size, overrides the fraction (bytes, e.g. 512M; default: from memory)")
+      help="KV pool size, overrides the fraction (bytes, e.g. 512M; default: 1 GiB on a CPU, --gpu-memory-utilization on CUDA)")
     a("--dtype", default=d["dtype"], metavar="DTYPE", help=f"weight/activation dtype: auto, float32, bfloat16, float16 "
                                           f"(default: {d['dtype']})")
     a("--quantization", "-q", default=d["quantization"], metavar="METHOD", help="weight quantization method (default: none; any method is refused: not built)")
