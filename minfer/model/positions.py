@@ -112,23 +112,16 @@ class RotaryEmbedding(nn.Module):
                  max_positions: int, fused: bool = False):
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
-        self.max_position_embeddings, self.max_positions = max_position_embeddings, max_positions
+        self.max_position_embeddings = max_position_embeddings
         self.dynamic = (scaling or {}).get("rope_type") == "dynamic"
         self.fused = fused
-        self.register_buffer("cos_sin", torch.empty(0), persistent=False)
-        self.init_buffers()
+        if fused:
+            from minfer.kernels import apply_rotary_
 
-    def init_buffers(self) -> None:
-        """(Re)compute the float32 cos/sin table `[2, max_positions, D/2]` on the buffer's device: a model
-        built on the "meta" device and then materialized (`to_empty`) has no values in it, and `.to(dtype)`
-        would have rounded it."""
-        inv_freq, self.attention_scaling = compute_inv_freq(self.head_dim, self.theta, self.scaling,
-                                                            self.max_position_embeddings)
-        device = self.cos_sin.device
-        if device.type == "meta":  # shapes only
-            self.cos_sin = torch.empty((2, self.max_positions, self.head_dim // 2), device=device)
-        else:
-            self.cos_sin = self._table(inv_freq, self.max_positions).to(device)
+            self._apply_rotary_ = apply_rotary_
+        inv_freq, self.attention_scaling = compute_inv_freq(head_dim, theta, scaling, max_position_embeddings)
+        # float32 whatever the model's dtype: the loader builds the model under its dtype as the default.
+        self.register_buffer("cos_sin", self._table(inv_freq, max_positions), persistent=False)
 
     def _table(self, inv_freq: torch.Tensor, n: int) -> torch.Tensor:
         freqs = torch.outer(torch.arange(n, dtype=torch.float32), inv_freq)
@@ -153,11 +146,10 @@ class RotaryEmbedding(nn.Module):
         `cos_sin`: this forward's `cos_sin_for(positions)`, computed once by the model for all its layers.
         """
         cos, sin = cos_sin if cos_sin is not None else self.cos_sin_for(positions)
-        if self.fused and cos.shape[-1] * 2 == q.shape[-1] and q.stride(-1) == 1 and k.stride(-1) == 1:
-            from minfer.kernels import apply_rotary_
-
+        if (self.fused and cos.shape[-1] * 2 == q.shape[-1] and q.stride(-1) == 1 and k.stride(-1) == 1
+                and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))):
             # In place: q and k are fresh views of this layer's qkv projection, read by nothing else.
-            return apply_rotary_(q, k, cos.contiguous(), sin.contiguous())
+            return self._apply_rotary_(q, k, cos.contiguous(), sin.contiguous())
         return (rotate_half_(q.float(), cos, sin).to(q.dtype), rotate_half_(k.float(), cos, sin).to(k.dtype))
 
 

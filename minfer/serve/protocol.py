@@ -54,7 +54,7 @@ class APIError(Exception):
 
 
 def encodable(text: str) -> str:
-    """`text` with anything UTF-8 cannot encode (lone surrogates) written as a `\\udXXX` escape."""
+    """`text` with anything UTF-8 cannot encode (lone surrogates) written as a backslash escape (`\\ud800`)."""
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
