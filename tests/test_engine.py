@@ -182,3 +182,19 @@ def test_swapped_out_mid_chunked_prefill_resumes_in_chunks(llm):
     assert swapped_mid_prefill, "the scenario did not swap B out in the middle of its prefill"
     assert [outs[ra], outs[rb]] == want
     assert engine.all_blocks_free()
+
+
+def test_the_engine_runs_each_step_through_its_one_executor(llm, monkeypatch):
+    """`LLMEngine` holds no model: each step goes to `minfer/executor.py`'s `UniProcExecutor`, whose driver
+    worker owns the model, pool, backend and sampler, and retired sequences are released there."""
+    from minfer.executor import UniProcExecutor
+
+    engine = llm.llm_engine
+    assert isinstance(engine.executor, UniProcExecutor) and engine.worker is engine.executor.driver_worker
+    steps, released = [], []
+    execute, release = engine.worker.execute_model, engine.worker.release
+    monkeypatch.setattr(engine.worker, "execute_model", lambda batch: steps.append(len(batch.seqs)) or execute(batch))
+    monkeypatch.setattr(engine.worker, "release", lambda ids: released.extend(ids) or release(ids))
+    out = llm.generate(["1, 2, 3,", "a b c"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert steps == [2, 2, 2] and [len(o.outputs[0].token_ids) for o in out] == [3, 3]
+    assert len(released) == 2 and engine.all_blocks_free()

@@ -1,11 +1,13 @@
-"""The paged torch backend (the engine's default attention) against `attend` run on each sequence alone."""
+"""The paged torch backend (minfer/attention/torch_ref.py, the engine's reference attention) against `attend` run on
+each sequence alone."""
 
 import random
 
 import pytest
 import torch
 
-from minfer.attention import Attention, ForwardContext, PagedTorchBackend, attend
+from minfer.attention.base import Attention, ForwardContext
+from minfer.attention.torch_ref import PagedTorchBackend, attend
 from minfer.model.positions import alibi_slopes
 
 

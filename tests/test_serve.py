@@ -523,3 +523,31 @@ def test_small_request_finishes_while_a_request_at_the_fan_out_cap_runs(server, 
     assert t_small + small_s < big_end, "the small request finished after the big one"
     assert small_s < (big_end - big_start) / 4, f"small: {small_s:.2f} s, big: {big_end - big_start:.2f} s"
     _wait_all_blocks_free(server)
+
+
+def test_engine_loop_routes_each_request_to_its_own_queue():
+    """`minfer/serve/engine_loop.py` without HTTP: a rejected request gets its error on its own queue, the
+    engine thread goes on, and an accepted one gets "added" and then outputs until it is finished."""
+    from minfer.sampling_params import SamplingParams
+    from minfer.serve.engine_loop import EngineLoop
+
+    loop = EngineLoop(FakeEngine())
+
+    async def run():
+        good, bad = asyncio.Queue(), asyncio.Queue()
+        loop.add("bad", [10 ** 9], SamplingParams(max_tokens=2), bad, time.perf_counter())
+        loop.add("good", [1, 2, 3], SamplingParams(max_tokens=3), good, time.perf_counter())
+        rid, kind, exc = await asyncio.wait_for(bad.get(), 10)
+        assert (rid, kind) == ("bad", "error") and isinstance(exc, ValueError)
+        events = [await asyncio.wait_for(good.get(), 10)]
+        while not (events[-1][1] == "output" and events[-1][2].finished):
+            events.append(await asyncio.wait_for(good.get(), 10))
+        return events
+
+    try:
+        events = asyncio.run(run())
+        assert events[0][:2] == ("good", "added") and all(e[1] == "output" for e in events[1:])
+        assert len(events[-1][2].outputs[0].token_ids) == 3 and loop.alive
+    finally:
+        loop.stop()
+    assert not loop.alive
