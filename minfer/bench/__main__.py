@@ -4,12 +4,14 @@
 - gemv: batch-1 matrix-vector GB/s per weight layout (why `Linear` repacks its weights).
 - engine: offline engine throughput, prefix-cache TTFT and chunked-prefill ITL (the serving engine).
 - serve: a `vllm bench serve`-style client against any OpenAI-compatible server.
+- profile: where one request's time goes, phase by phase and the forward by op type.
 """
 
 import importlib
 import sys
 
-_COMMANDS = {"decode": "minfer.bench.decode", "gemv": "minfer.bench.gemv", "engine": "minfer.bench.engine", "serve": "minfer.bench.serve"}
+_COMMANDS = {"decode": "minfer.bench.decode", "gemv": "minfer.bench.gemv", "engine": "minfer.bench.engine", "serve": "minfer.bench.serve",
+             "profile": "minfer.bench.profile"}
 
 
 def main(argv: list[str] | None = None) -> int:
