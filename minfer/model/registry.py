@@ -43,6 +43,8 @@ ARCHITECTURES = {a.name: a for a in (
     Architecture("MistralForCausalLM", "mistral", **_LLAMA),
     Architecture("Qwen2ForCausalLM", "qwen2", **_LLAMA, traits=dict(qkv_bias=True, window_opt_in=True)),
     Architecture("Qwen3ForCausalLM", "qwen3", **_LLAMA, traits=dict(qk_norm=True, window_opt_in=True)),
+    Architecture("GPT2LMHeadModel", "gpt2", "minfer.model.gpt2", "GPT2LMHeadModel", "gpt2_config"),
+    Architecture("BloomForCausalLM", "bloom", "minfer.model.bloom", "BloomForCausalLM", "bloom_config"),
 )}
 _BY_MODEL_TYPE = {a.model_type: a for a in ARCHITECTURES.values()}
 
