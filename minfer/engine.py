@@ -131,7 +131,11 @@ class LLMEngine:
         self.executor.init_kv_cache(num_blocks, num_cpu_blocks)
         self.block_manager = BlockManager(num_blocks, args.block_size, num_cpu_blocks, args.enable_prefix_caching)
         mode = args.preemption_mode or ("swap" if num_cpu_blocks else "recompute")
-        self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, mnbt, args.enable_chunked_prefill, mode)
+        # KV behind the window is freed only when EVERY layer has one (a full-attention layer reads it all).
+        windows = cfg.layer_windows
+        window = max(windows) if windows and all(w is not None for w in windows) else None
+        self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, mnbt, args.enable_chunked_prefill, mode,
+                                   sliding_window=window)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()

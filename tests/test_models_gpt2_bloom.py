@@ -35,8 +35,9 @@ CASES = {
 }
 
 
-def make_model(path, case, seed=0):
+def make_model(path, case, seed=0, **overrides):
     cfg_name, kwargs = CASES[case]
+    kwargs = {**kwargs, **overrides}
     torch.manual_seed(seed)
     cfg = getattr(transformers, cfg_name)(**kwargs, bos_token_id=1, eos_token_id=2)
     hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
