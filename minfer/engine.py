@@ -289,8 +289,10 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         bm, sch = self.block_manager, self.scheduler
         held = [s for s in sch.running]
-        alloc = sum(len(s.block_table) for s in held) * bm.block_size
-        used = sum(min(len(s), len(s.block_table) * bm.block_size) for s in held)
+        # Table entries released behind a sliding window hold nothing: count neither their slots nor tokens.
+        dead = {s.seq_id: len(s.block_table) - bm.num_live_blocks(s) for s in held}
+        alloc = sum(bm.num_live_blocks(s) for s in held) * bm.block_size
+        used = sum(min(len(s), len(s.block_table) * bm.block_size) - dead[s.seq_id] * bm.block_size for s in held)
         return EngineStats(
             num_running=len(sch.running), num_waiting=len(sch.waiting), num_swapped=len(sch.swapped),
             num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_total_blocks, kv_cache_usage=bm.usage(),
