@@ -9,6 +9,12 @@ so equal names mean equal prefixes, not only equal blocks. A new sequence walks 
 reuses every block already cached; reference counts say how many sequences share a block. A block whose
 count drops to zero is not wiped: it joins the free list with its hash intact and can still be hit, until
 allocation needs it (least recently freed first) and it is evicted.
+
+Sliding windows (article §3): when every layer attends only to the newest W tokens, a block whose tokens
+are all older than the window of the NEXT query can never be read again. `free_out_of_window` releases
+such leading blocks while the sequence runs; their table entries stay (pointing at block 0, like the
+padding of a block table, which attention masks) so that `position // block_size` still finds every live
+block. `window_freed[seq_id]` counts them, so a block is never released twice.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ class BlockManager:
         self.cpu_free = list(range(num_cpu_blocks))
         self.num_cpu_blocks = num_cpu_blocks
         self.swapped_tables: dict[int, list[int]] = {}  # seq_id -> its CPU blocks
+        self.window_freed: dict[int, int] = {}  # seq_id -> leading table entries released (out of window)
         # statistics
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which found cached
@@ -138,10 +145,13 @@ class BlockManager:
             return
         toks = seq.all_token_ids
         parent = hashes[-1] if hashes else None
+        dead = self.window_freed.get(seq.seq_id, 0)
         for i in range(len(hashes), n_full):
             chunk = tuple(toks[i * bs:(i + 1) * bs])
             parent = block_hash(parent, chunk)
             hashes.append(parent)
+            if i < dead:
+                continue  # released out of the window: the entry is a placeholder, not this block
             blk = self.blocks[seq.block_table[i]]
             if blk.hash is None and parent not in self.cached:
                 blk.hash, blk.token_ids = parent, chunk
@@ -181,9 +191,31 @@ class BlockManager:
         for _ in range(need):
             seq.block_table.append(self._take_free())
 
+    def free_out_of_window(self, seq: Sequence, window: int) -> int:
+        """Release the leading blocks no later query of `seq` can see through a `window`-token window.
+
+        The next forward's first query is at position `num_computed_tokens` = q; it sees keys q - W + 1 .. q
+        (`torch_ref.visibility_mask`), and later queries see less of the past. So a block is dead iff its last
+        slot is below q - W + 1: the first (q - W + 1) // block_size blocks. Call after
+        `register_computed_blocks` (a released block keeps its prefix-cache name). Returns blocks released.
+        """
+        dead = max(seq.num_computed_tokens - window + 1, 0) // self.block_size
+        done = self.window_freed.get(seq.seq_id, 0)
+        for i in range(done, min(dead, len(seq.block_table))):
+            self._release(seq.block_table[i])
+            seq.block_table[i] = 0
+        if dead > done:
+            self.window_freed[seq.seq_id] = dead
+        return max(dead - done, 0)
+
+    def num_live_blocks(self, seq: Sequence) -> int:
+        """Blocks `seq` holds (its table minus the entries released out of the window)."""
+        return len(seq.block_table) - self.window_freed.get(seq.seq_id, 0)
+
     def free_seq(self, seq: Sequence) -> None:
         """Drop the sequence's claim on its blocks (named blocks stay cached until evicted)."""
-        for bid in reversed(seq.block_table):  # tail first, so the prefix is evicted last
+        dead = self.window_freed.pop(seq.seq_id, 0)
+        for bid in reversed(seq.block_table[dead:]):  # tail first, so the prefix is evicted last
             self._release(bid)
         seq.block_table = []
         seq.block_hashes = []
@@ -198,7 +230,9 @@ class BlockManager:
         cpu = [self.cpu_free.pop() for _ in seq.block_table]
         mapping = list(zip(seq.block_table, cpu))
         self.swapped_tables[seq.seq_id] = cpu
-        for bid in seq.block_table:
+        # Entries released out of the window are copied too (placeholders, never read) and come back as fresh
+        # blocks, released again after the next step: simpler than a table with holes in swap space.
+        for bid in seq.block_table[self.window_freed.pop(seq.seq_id, 0):]:
             self._release(bid)
         seq.block_table, seq.block_hashes = [], []
         return mapping

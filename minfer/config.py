@@ -179,6 +179,11 @@ class ModelConfig:
     Attribute names are Hugging Face's, so `memory.kv_cache_bytes` and the chapters can use any config.
     `rope_scaling` is the dict of HF's `rope_scaling` / `rope_parameters` (with `rope_type`), or None.
     `layer_windows[i]` is the sliding window of layer i in tokens (None = full attention).
+    `position_embedding` says how positions enter the model (article §2): "rope" (rotated Q/K, Llama),
+    "learned" (a table added to the token embedding, GPT-2) or "alibi" (a per-head linear bias on the scores,
+    BLOOM). `rms_norm_eps` is the epsilon of the model's norms, LayerNorm's for GPT-2 and BLOOM.
+    `rope_local_theta` is the RoPE base of the sliding-window layers where it differs (Gemma 3), and
+    `query_pre_attn_scalar` the softmax scale's denominator where it is not head_dim (Gemma 3).
     """
 
     architecture: str
@@ -203,3 +208,17 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple = ()
     torch_dtype: str | None = None
+    position_embedding: str = "rope"
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.position_embedding not in ("rope", "learned", "alibi"):
+            raise ValueError(f"position_embedding must be 'rope', 'learned' or 'alibi', got {self.position_embedding!r}")
+        if self.position_embedding == "alibi" and self.rope_scaling is not None:
+            raise ValueError("ALiBi and RoPE are both set (position_embedding='alibi' with a rope_scaling): a model "
+                             "takes one of them; ALiBi adds distance to the scores, RoPE rotates Q and K")
+        for i, w in enumerate(self.layer_windows):
+            if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+                raise ValueError(f"sliding window of layer {i} must be None (full attention) or an integer >= 1 "
+                                 f"(tokens), got {w!r}")

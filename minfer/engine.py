@@ -131,7 +131,11 @@ class LLMEngine:
         self.executor.init_kv_cache(num_blocks, num_cpu_blocks)
         self.block_manager = BlockManager(num_blocks, args.block_size, num_cpu_blocks, args.enable_prefix_caching)
         mode = args.preemption_mode or ("swap" if num_cpu_blocks else "recompute")
-        self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, mnbt, args.enable_chunked_prefill, mode)
+        # KV behind the window is freed only when EVERY layer has one (a full-attention layer reads it all).
+        windows = cfg.layer_windows
+        window = max(windows) if windows and all(w is not None for w in windows) else None
+        self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, mnbt, args.enable_chunked_prefill, mode,
+                                   sliding_window=window)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
@@ -285,8 +289,10 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         bm, sch = self.block_manager, self.scheduler
         held = [s for s in sch.running]
-        alloc = sum(len(s.block_table) for s in held) * bm.block_size
-        used = sum(min(len(s), len(s.block_table) * bm.block_size) for s in held)
+        # Table entries released behind a sliding window hold nothing: count neither their slots nor tokens.
+        dead = {s.seq_id: len(s.block_table) - bm.num_live_blocks(s) for s in held}
+        alloc = sum(bm.num_live_blocks(s) for s in held) * bm.block_size
+        used = sum(min(len(s), len(s.block_table) * bm.block_size) - dead[s.seq_id] * bm.block_size for s in held)
         return EngineStats(
             num_running=len(sch.running), num_waiting=len(sch.waiting), num_swapped=len(sch.swapped),
             num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_total_blocks, kv_cache_usage=bm.usage(),

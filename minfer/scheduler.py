@@ -107,8 +107,10 @@ class WaitingQueue:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool, preemption_mode: str = "recompute"):
+                 enable_chunked_prefill: bool, preemption_mode: str = "recompute", sliding_window: int | None = None):
         self.bm = block_manager
+        # Every layer's window (the largest, when they differ) or None: blocks behind it are freed each step.
+        self.sliding_window = sliding_window
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked = enable_chunked_prefill
@@ -253,3 +255,5 @@ class Scheduler:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             self.bm.register_computed_blocks(seq)
+            if self.sliding_window is not None:
+                self.bm.free_out_of_window(seq, self.sliding_window)

@@ -78,12 +78,16 @@ class Attention(nn.Module):
     scale, sliding window (tokens, None = full) and ALiBi slopes (float32 `[num_heads]` or None).
 
     Raises:
-        ValueError: `num_heads` is not a multiple of `num_kv_heads` (GQA/MQA groups must be equal).
+        ValueError: `num_heads` is not a multiple of `num_kv_heads` (GQA/MQA groups must be equal), or a
+            sliding window that is not a positive integer.
     """
 
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None, alibi_slopes: torch.Tensor | None = None):
         super().__init__()
+        if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                           or sliding_window < 1):
+            raise ValueError(f"sliding_window must be None or an integer >= 1 (tokens), got {sliding_window!r}")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
         self.layer_idx, self.num_heads, self.num_kv_heads, self.head_dim = layer_idx, num_heads, num_kv_heads, head_dim

@@ -32,6 +32,13 @@ GGUF_TO_HF_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# Architectures whose norms are named differently: Gemma 3 has a norm before AND after attention and MLP.
+GGUF_TO_HF_NAMES_BY_ARCH = {
+    "gemma3": {**GGUF_TO_HF_NAMES, "post_attention_norm": "post_attention_layernorm",
+               "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+}
+# Architectures whose GGUF norm weights hold 1 + w (llama.cpp's converter adds Gemma's 1; HF stores w).
+NORM_PLUS_ONE = ("gemma3",)
 
 
 def open_gguf(path: Path):
@@ -73,6 +80,8 @@ def gguf_config(reader, path: Path) -> tuple[ModelConfig, tuple]:
         "bos_token_id": gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": gguf_field(reader, "tokenizer.ggml.eos_token_id"),
     }
+    if get("attention.sliding_window") is not None:
+        d["sliding_window"] = get("attention.sliding_window")
     scaling_type = get("rope.scaling.type")
     if scaling_type and scaling_type != "none":
         d["rope_scaling"] = {"rope_type": scaling_type, "factor": get("rope.scaling.factor"),
@@ -88,17 +97,18 @@ def unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """Hugging Face's name for a GGUF tensor name ("blk.3.attn_q.weight" -> "model.layers.3.self_attn.q_proj
     .weight"); None for tensors minfer derives instead (e.g. `rope_freqs`, from the config)."""
+    names = GGUF_TO_HF_NAMES_BY_ARCH.get(arch, GGUF_TO_HF_NAMES)
     parts = gguf_name.split(".")
     if parts[0] == "blk":
         layer, base, kind = parts[1], parts[2], parts[3]
-        return f"model.layers.{layer}.{GGUF_TO_HF_NAMES[base]}.{kind}"
+        return f"model.layers.{layer}.{names[base]}.{kind}"
     base, kind = parts[0], parts[1]
-    if base not in GGUF_TO_HF_NAMES:
+    if base not in names:
         return None
-    return f"{GGUF_TO_HF_NAMES[base]}.{kind}"
+    return f"{names[base]}.{kind}"
 
 
 @dataclass
@@ -124,9 +134,10 @@ class GGUFBlocks:
 
 def iter_gguf_blocks(reader) -> Iterator[GGUFBlocks]:
     """Every tensor of a GGUF file as `GGUFBlocks`, with HF names, in file order."""
-    permuted = gguf_field(reader, "general.architecture") == "llama"
+    arch = gguf_field(reader, "general.architecture")
+    permuted = arch == "llama"
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, arch)
         if name is None:
             continue
         base = t.name.split(".")[2] if t.name.startswith("blk.") else ""
@@ -135,12 +146,16 @@ def iter_gguf_blocks(reader) -> Iterator[GGUFBlocks]:
 
 
 def iter_gguf(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every tensor of a GGUF file, dequantized with `gguf.quants`."""
+    """(HF name, float32 tensor) for every tensor of a GGUF file, dequantized with `gguf.quants` (every type
+    it reads: F32/F16, Q4_0/Q4_1/Q5_0/Q8_0 and the K-quants Q4_K/Q6_K of Gemma 3's Q4_K_M file)."""
     import numpy as np
     from gguf.quants import dequantize
 
+    plus_one = gguf_field(reader, "general.architecture") in NORM_PLUS_ONE
     for b in tqdm(list(iter_gguf_blocks(reader)), desc="Dequantizing GGUF tensors", leave=False):
         w = torch.from_numpy(np.array(dequantize(b.data, b.tensor_type), dtype=np.float32))  # own, writable copy
+        if plus_one and b.name.endswith("norm.weight"):
+            w -= 1.0
         if b.rope_permuted:
             heads = cfg.num_attention_heads if ".q_proj." in b.name else cfg.num_key_value_heads
             w = unpermute_rope(w, heads)

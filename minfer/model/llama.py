@@ -160,6 +160,9 @@ def llama_config(d: dict, arch, source: str = "config.json") -> ModelConfig:
         scaling["rope_type"] = scaling.pop("type")
     if scaling.get("rope_type", "default") == "default":
         scaling = None
+    if d.get("alibi") or d.get("position_embedding_type") == "alibi":
+        raise ValueError(f"{source}: ALiBi and RoPE are both set: {arch.name} rotates Q/K with RoPE, and this "
+                         "config also asks for ALiBi (`alibi`/`position_embedding_type`); a model takes one of them")
     traits = arch.traits
     # Qwen2 always has a QKV bias and never an o_proj bias; the others follow `attention_bias`.
     qkv_bias = traits.get("qkv_bias", bool(d.get("attention_bias", False)))

