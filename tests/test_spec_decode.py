@@ -266,3 +266,25 @@ def test_metrics_per_position():
     assert (m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens) == (2, 5, 2)
     assert m.num_accepted_tokens_per_pos == [1, 1, 0] and m.num_drafts_per_pos == [2, 2, 1]
     assert math.isclose(m.acceptance_rate, 0.4) and math.isclose(m.mean_accepted_length, 2.0)
+
+
+def test_server_flag_and_metrics():
+    from types import SimpleNamespace
+
+    from minfer.serve.__main__ import build_parser, engine_args_from
+    from minfer.serve.metrics import ServerMetrics
+
+    args = build_parser().parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
+    assert engine_args_from(args).speculative_config == SpeculativeConfig("ngram", 2)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        engine_args_from(build_parser().parse_args(["--speculative-config", '{"method": "ngram"}']))
+    m = ServerMetrics("m")
+    m.update_from_stats(SimpleNamespace(spec_decode_num_drafts=4, spec_decode_num_draft_tokens=12,
+                                        spec_decode_num_accepted_tokens=7,
+                                        spec_decode_num_accepted_tokens_per_pos=(4, 2, 1)))
+    body = m.render()[0].decode()
+    for line in ('minfer:spec_decode_num_drafts_total{model_name="m"} 4.0',
+                 'minfer:spec_decode_num_draft_tokens_total{model_name="m"} 12.0',
+                 'minfer:spec_decode_num_accepted_tokens_total{model_name="m"} 7.0',
+                 'minfer:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 1.0'):
+        assert line in body, line

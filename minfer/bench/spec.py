@@ -1,0 +1,137 @@
+"""`python -m minfer.bench spec`: speculative decoding's speed-up against its acceptance rate (chapter 7b).
+
+For each method (none, n-gram prompt lookup with k = 2, 4, 6, a draft model) and each workload — an
+input-grounded one (copy a given passage: the output repeats the input) and free generation (a story) —
+greedy decoding of one request (batch 1) and of a batch of 4, on the real SmolLM2-135M-Instruct. Reports
+tokens/s, the speed-up over no speculation in the same run, the acceptance rate α, the mean tokens per
+verification round, and the speed-up predicted by Leviathan et al.'s formula
+
+    speed-up = (1 - α^(k+1)) / ((1 - α)(k·c + 1))
+
+with c the cost of one proposal step relative to one target decode step (0 for n-gram lookup; 1 for the
+only draft pair available here, the model itself: no smaller model shares SmolLM2's tokenizer in this
+environment). Also checks that every speculative output equals the output without speculation.
+
+    python -m minfer.bench spec [--quick] [--json assets/benchmarks/spec_decode_cpu.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+PASSAGE = (
+    "The old harbour town wakes slowly. At six the bakery on the corner lifts its shutters, and the smell of "
+    "bread drifts down to the quay, where the fishing boats knock gently against the stone. By seven the "
+    "ferry to the islands has left, carrying a few tired workers and a dog that belongs to nobody. The market "
+    "opens at eight: tomatoes, lemons, bright green beans, and a man who sells only keys. Nobody knows where "
+    "he finds them, and nobody asks.")
+WORKLOADS = {
+    "grounded": "Repeat the following passage exactly, word for word, with no comment:\n\n" + PASSAGE,
+    "free": "Write a short story about a lighthouse keeper who finds a strange machine on the beach.",
+}
+
+
+def methods(quick: bool) -> dict:
+    m = {"none": None,
+         "ngram-k2": dict(method="ngram", num_speculative_tokens=2, prompt_lookup_max=4, prompt_lookup_min=1),
+         "ngram-k4": dict(method="ngram", num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=1),
+         "ngram-k6": dict(method="ngram", num_speculative_tokens=6, prompt_lookup_max=4, prompt_lookup_min=1),
+         "draft-self-k3": dict(method="draft_model", model="smollm2-135m-instruct", num_speculative_tokens=3)}
+    if quick:
+        m = {k: m[k] for k in ("none", "ngram-k4", "draft-self-k3")}
+    return m
+
+
+def predicted_speedup(alpha: float, k: int, c: float) -> float:
+    """Leviathan et al. (2023), eq. for the expected improvement in walltime: (1 - α^(k+1)) / ((1 - α)(kc + 1))."""
+    tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens / (k * c + 1)
+
+
+def alpha_from_round_length(mean_tokens: float, k: int) -> float:
+    """The α whose expected tokens per round (1 - α^(k+1)) / (1 - α) is `mean_tokens` (bisection)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if predicted_speedup(mid, k, 0.0) < mean_tokens:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def run(quick: bool = False, progress: bool = True) -> dict:
+    import torch
+
+    from minfer import LLM, SamplingParams
+    from minfer.bench.engine import environment
+
+    max_tokens = 32 if quick else 64
+    batch = 4
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    res = dict(env={**environment(), "note": "measured on a shared CPU (other jobs running): compare the ratios "
+                                              "within this run, not the absolute tokens/s"},
+               max_tokens=max_tokens, batch=batch, results={})
+    baseline: dict = {}
+    for name, spec in methods(quick).items():
+        llm = LLM(max_model_len=1024, seed=0, kv_cache_memory_bytes=64 << 20, speculative_config=spec)
+        prompts = {w: llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for w, p in WORKLOADS.items()}
+        llm.generate(prompts["free"], SamplingParams(temperature=0, max_tokens=8))  # warm-up
+        for w, ids in prompts.items():
+            for bs in (1, batch):
+                before = llm.stats()
+                t0 = time.perf_counter()
+                outs = llm.generate([ids] * bs, params)
+                dt = time.perf_counter() - t0
+                st = llm.stats()
+                toks = [o.outputs[0].token_ids for o in outs]
+                n_out = sum(len(t) for t in toks)
+                drafts = st.spec_decode_num_drafts - before.spec_decode_num_drafts
+                proposed = st.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+                accepted = st.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+                steps = st.num_steps - before.num_steps
+                fwd = st.forward_time_s - before.forward_time_s
+                row = dict(seconds=dt, output_tokens=n_out, tok_s=n_out / dt, steps=steps,
+                           forward_s_per_step=fwd / max(steps, 1), num_drafts=drafts, num_draft_tokens=proposed,
+                           num_accepted_tokens=accepted)
+                key = f"{w}/bs{bs}"
+                if spec is None:
+                    baseline[key] = (row, toks)
+                else:
+                    base, base_toks = baseline[key]
+                    k = spec["num_speculative_tokens"]
+                    c = 0.0 if spec["method"] == "ngram" else 1.0
+                    mean_round = 1 + accepted / drafts if drafts else 1.0
+                    alpha = alpha_from_round_length(mean_round, k) if drafts else 0.0
+                    row.update(same_output_as_none=toks == base_toks, speedup=row["tok_s"] / base["tok_s"],
+                               acceptance_rate=accepted / proposed if proposed else 0.0,
+                               mean_tokens_per_round=mean_round, alpha=alpha, k=k, c=c,
+                               predicted_speedup=predicted_speedup(alpha, k, c),
+                               step_cost_ratio=row["forward_s_per_step"] / base["forward_s_per_step"],
+                               tokens_per_step_ratio=(n_out / steps) / (base["output_tokens"] / base["steps"]))
+                res["results"].setdefault(name, {})[key] = row
+                if progress:
+                    extra = "" if spec is None else (f"  x{row['speedup']:.2f} (formula x{row['predicted_speedup']:.2f}"
+                                                     f", alpha {row['alpha']:.2f}, same={row['same_output_as_none']})")
+                    print(f"{name:14s} {key:12s} {row['tok_s']:7.1f} tok/s{extra}", file=sys.stderr, flush=True)
+        del llm
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m minfer.bench spec", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="three methods, 32 tokens instead of 64")
+    ap.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    res = run(quick=args.quick)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
