@@ -94,9 +94,12 @@ def run(quick: bool = False, progress: bool = True) -> dict:
                 accepted = st.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
                 steps = st.num_steps - before.num_steps
                 fwd = st.forward_time_s - before.forward_time_s
+                per_pos = [a - b for a, b in zip(st.spec_decode_num_accepted_tokens_per_pos,
+                                                 list(before.spec_decode_num_accepted_tokens_per_pos)
+                                                 + [0] * len(st.spec_decode_num_accepted_tokens_per_pos))]
                 row = dict(seconds=dt, output_tokens=n_out, tok_s=n_out / dt, steps=steps,
                            forward_s_per_step=fwd / max(steps, 1), num_drafts=drafts, num_draft_tokens=proposed,
-                           num_accepted_tokens=accepted)
+                           num_accepted_tokens=accepted, num_accepted_tokens_per_pos=per_pos)
                 key = f"{w}/bs{bs}"
                 if spec is None:
                     baseline[key] = (row, toks)
