@@ -35,7 +35,8 @@ from minfer.sequence import Sequence, SequenceStatus
 class ScheduledBatch:
     """One step's work: sequences with how many new tokens each computes, and block copies to do first.
 
-    `seqs` are ordered prefill chunks first (num_new > 1), then decodes (num_new == 1).
+    `seqs` are ordered prefill chunks first (num_new > 1), then decodes (num_new == 1). A sequence verifying
+    k speculative drafts (`seq.spec_token_ids`) is a (k + 1)-token chunk: its last token and the drafts.
     """
 
     seqs: list[Sequence] = field(default_factory=list)
