@@ -40,6 +40,7 @@ class SpecDecoder:
         return max(0, min(self.k, left - 1))
 
     def propose(self, running: list["Sequence"]) -> None:
+        self.clear(running)  # drafts of a sequence the last step could not hold are stale
         seqs, ks = [], []
         for s in running[:self.max_num_seqs]:
             if len(s) - s.num_computed_tokens == 1 and speculation_supported(s.params):  # decoding
