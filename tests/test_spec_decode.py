@@ -60,10 +60,11 @@ def models(tmp_path_factory):
 
 def _prompts(n=6, seed=0):
     g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(3, VOCAB, (9,), generator=g).tolist()  # a common prefix: prefix-cache hits
     out = []
     for i in range(n):
         base = torch.randint(3, VOCAB, (6 + i,), generator=g).tolist()
-        out.append(base * 3 + base[:2])  # repeated spans: prompt lookup finds them
+        out.append(shared + base * 3 + base[:2])  # repeated spans: prompt lookup finds them
     return out
 
 
@@ -108,6 +109,8 @@ def test_greedy_equals_no_speculation(models, reference, method, config):
     assert st.spec_decode_num_drafts > 0 and st.spec_decode_num_draft_tokens > 0
     if "preempt" in config:
         assert st.num_preemptions > 0
+    if "prefix" in config:
+        assert st.prefix_cache_hits > 0
     if method == "draft_is_target":  # the target proposing for itself: every greedy draft is right
         assert st.spec_decode_num_accepted_tokens == st.spec_decode_num_draft_tokens
     else:
