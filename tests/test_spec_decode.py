@@ -291,3 +291,12 @@ def test_server_flag_and_metrics():
                  'minfer:spec_decode_num_accepted_tokens_total{model_name="m"} 7.0',
                  'minfer:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 1.0'):
         assert line in body, line
+
+
+def test_benchmark_formula():
+    from minfer.bench.spec import alpha_from_round_length, predicted_speedup
+
+    assert predicted_speedup(0.0, 4, 0.0) == 1.0 and predicted_speedup(1.0, 4, 0.0) == 5.0
+    assert math.isclose(predicted_speedup(0.5, 2, 0.5), (1 - 0.125) / 0.5 / 2)
+    for a in (0.1, 0.5, 0.9):
+        assert math.isclose(alpha_from_round_length(predicted_speedup(a, 4, 0.0), 4), a, abs_tol=1e-9)
