@@ -56,7 +56,7 @@ class EngineStats:
     num_generation_tokens_total: int
     num_steps: int
     scheduler_time_s: float  # scheduling, building the batch tensors (block tables, slot mapping), outputs
-    forward_time_s: float  # the model forward + sampling
+    forward_time_s: float  # the model forward + sampling (a draft model's proposals count as scheduling)
     # speculative decoding (vLLM's spec_decode_* counters); zeros without speculative_config
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0

@@ -94,7 +94,11 @@ ENGINE_CONFIGS = {
 
 @pytest.fixture(scope="module")
 def reference(models):
-    return _run(models["target"], _prompts(), GREEDY, kv_cache_memory_bytes=8 * MIB)[1]
+    """The engine without speculation; itself checked against chapter 1's one-sequence path."""
+    llm, toks = _run(models["target"], _prompts(), GREEDY, kv_cache_memory_bytes=8 * MIB)
+    for p, sp, t in zip(_prompts(), GREEDY, toks):
+        assert llm.generate_simple(p, sp)[0].outputs[0].token_ids == t
+    return toks
 
 
 @pytest.mark.parametrize("config", sorted(ENGINE_CONFIGS))
