@@ -12,7 +12,10 @@ with c the cost of one proposal step relative to one target decode step (0 for n
 only draft pair available here, the model itself: no smaller model shares SmolLM2's tokenizer in this
 environment). Also checks that every speculative output equals the output without speculation.
 
-    python -m minfer.bench spec [--quick] [--json assets/benchmarks/spec_decode_cpu.json]
+    python -m minfer.bench spec [--quick] [--only-interleaved] [--json assets/benchmarks/spec_decode_cpu.json]
+
+The sweep runs each method after the other; on a shared machine the load drifts between them, so the
+batch-1 speed-ups are measured again interleaved (all methods loaded, timed in turn each round).
 """
 
 from __future__ import annotations
@@ -139,12 +142,57 @@ def run(quick: bool = False, progress: bool = True) -> dict:
     return res
 
 
+def run_interleaved(rounds: int = 3, max_tokens: int = 32, progress: bool = True) -> dict:
+    """Batch 1 only, all methods loaded at once and timed in turn, round after round: each speed-up is taken
+    against the run without speculation of the same round, so a shared machine's load drift (which moves
+    a whole run by 2-4x here) cancels. Returns per method and workload the per-round speed-ups and median."""
+    import statistics
+
+    from minfer import LLM, SamplingParams
+
+    chosen = {k: v for k, v in methods(False).items() if k in ("none", "ngram-k4", "draft-self-k3")}
+    llms = {name: LLM(max_model_len=1024, seed=0, kv_cache_memory_bytes=64 << 20, speculative_config=spec)
+            for name, spec in chosen.items()}
+    tok = llms["none"].tokenizer
+    prompts = {w: tok.encode_chat([{"role": "user", "content": p}]) for w, p in WORKLOADS.items()}
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for llm in llms.values():
+        llm.generate(prompts["free"], SamplingParams(temperature=0, max_tokens=4))  # warm-up
+    out: dict = {name: {w: [] for w in WORKLOADS} for name in chosen if name != "none"}
+    for r in range(rounds):
+        for w, ids in prompts.items():
+            times = {}
+            names = list(chosen)
+            names = names[r % len(names):] + names[:r % len(names)]  # rotate who goes first
+            for name in names:
+                t0 = time.perf_counter()
+                llms[name].generate(ids, params)
+                times[name] = time.perf_counter() - t0
+            for name in out:
+                out[name][w].append(times["none"] / times[name])
+            if progress:
+                print(f"round {r} {w}: " + ", ".join(f"{n} {max_tokens / t:.1f} tok/s" for n, t in times.items()),
+                      file=sys.stderr, flush=True)
+    return dict(rounds=rounds, max_tokens=max_tokens, batch=1,
+                speedup={n: {w: dict(per_round=v, median=statistics.median(v)) for w, v in d.items()}
+                         for n, d in out.items()})
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m minfer.bench spec", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="three methods, 32 tokens instead of 64")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON here")
+    ap.add_argument("--only-interleaved", action="store_true",
+                    help="only the interleaved batch-1 comparison; added to the --json file if it exists")
     args = ap.parse_args(argv)
-    res = run(quick=args.quick)
+    if args.only_interleaved:
+        import os
+
+        res = json.load(open(args.json)) if args.json and os.path.exists(args.json) else {}
+        res["interleaved"] = run_interleaved()
+    else:
+        res = run(quick=args.quick)
+        res["interleaved"] = run_interleaved(rounds=2 if args.quick else 3, max_tokens=16 if args.quick else 32)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
