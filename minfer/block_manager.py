@@ -221,6 +221,16 @@ class BlockManager:
         seq.block_hashes = []
         self.free_swapped(seq)
 
+    def free_tail(self, seq: Sequence, num_tokens: int) -> int:
+        """Give back the blocks past the first `num_tokens` tokens (speculative decoding's rejected slots:
+        they were allocated for drafts that were not accepted). Returns the number of blocks freed."""
+        keep = self.blocks_needed(num_tokens)
+        tail = seq.block_table[keep:]
+        for bid in reversed(tail):
+            self._release(bid)
+        del seq.block_table[keep:]
+        return len(tail)
+
     # -- swapping (article §8-1) ----------------------------------------------------------------------
     def can_swap_out(self, seq: Sequence) -> bool:
         return len(seq.block_table) <= len(self.cpu_free)

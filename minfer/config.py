@@ -41,6 +41,85 @@ def torch_dtype(name: str):
         raise ValueError(f"unknown dtype {name!r}; known: {sorted(n for n, (t, _) in DTYPES.items() if t)}")
     return getattr(torch, DTYPES[key][0])
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding, in vLLM's `speculative_config` shape (chapter 7b; Leviathan et al., 2023,
+    "Fast Inference from Transformers via Speculative Decoding", arXiv:2211.17192).
+
+    Attributes:
+        method: "ngram" (prompt lookup: the longest suffix n-gram found earlier in the sequence proposes the
+            tokens that followed it) or "draft_model" (a smaller model sharing the target's tokenizer).
+        num_speculative_tokens: k, tokens proposed per step (>= 1); the target verifies k + 1 positions.
+        prompt_lookup_max / prompt_lookup_min: longest / shortest n-gram tried (ngram only; tokens).
+        model: the draft model (draft_model only): anything `LLM(model=...)` loads.
+        quantization: a quantized draft; waits for the quantization issue (refused).
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 1
+    model: str | None = None
+    quantization: str | None = None
+
+    @classmethod
+    def from_dict(cls, d) -> "SpeculativeConfig":
+        """Parse and check vLLM's dict (a JSON string is read first). Raises ValueError naming the field."""
+        import json
+
+        if isinstance(d, SpeculativeConfig):
+            return d
+        if isinstance(d, str):
+            try:
+                d = json.loads(d)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
+        d = dict(d)
+        method = d.get("method")
+        if method is None and d.get("model") in ("ngram", "[ngram]"):  # vLLM's older spelling
+            method, d["model"] = "ngram", None
+        if method is None and d.get("model"):
+            method = "draft_model"
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method must be one of {list(SPECULATIVE_METHODS)}, got {method!r}")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
+                 "quantization"}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown field(s) {unknown}; known: {sorted(known)}")
+        cfg = cls(method=method, num_speculative_tokens=d.get("num_speculative_tokens"),
+                  prompt_lookup_max=d.get("prompt_lookup_max", 5), prompt_lookup_min=d.get("prompt_lookup_min", 1),
+                  model=d.get("model"), quantization=d.get("quantization"))
+        cfg.verify()
+        return cfg
+
+    def verify(self) -> None:
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        k = self.num_speculative_tokens
+        if not is_int(k) or k < 1:
+            raise ValueError(f"speculative_config num_speculative_tokens must be an integer >= 1, got {k!r}")
+        if self.method == "ngram":
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            if not is_int(lo) or not is_int(hi) or lo < 1 or hi < lo:
+                raise ValueError("speculative_config needs integers 1 <= prompt_lookup_min <= prompt_lookup_max, "
+                                 f"got prompt_lookup_min={lo!r}, prompt_lookup_max={hi!r}")
+            if self.model is not None:
+                raise ValueError("speculative_config method 'ngram' takes no 'model'")
+        else:
+            if not isinstance(self.model, str) or not self.model:
+                raise ValueError("speculative_config method 'draft_model' needs 'model' (the draft to load)")
+        if self.quantization not in (None, "none"):
+            raise ValueError(f"speculative_config quantization={self.quantization!r}: a quantized draft waits for "
+                             "the quantization issue (minfer loads no quantized copy of a model yet)")
+
+
 # Features that have a flag but no implementation yet: starting with them set stops with this message,
 # so that no flag is silently ignored.
 _NOT_BUILT = "is not built in minfer yet (see the issues list); leave it at its default"
@@ -73,6 +152,8 @@ class EngineArgs:
             graphs yet, so it runs eagerly either way and the flag changes nothing (on a CPU there are no
             graphs to capture at all); it is accepted so the article's vLLM command runs unchanged.
         tensor_parallel_size, pipeline_parallel_size, quantization, kv_cache_dtype: later chapters.
+        speculative_config: None, or vLLM's dict `{"method": "ngram" | "draft_model", "num_speculative_tokens":
+            k, ...}` (a JSON string is accepted); parsed into `SpeculativeConfig` (chapter 7b).
     """
 
     model: str = DEFAULT_MODEL
@@ -96,6 +177,7 @@ class EngineArgs:
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     device: str | None = None
+    speculative_config: dict | None = None  # vLLM's shape; see SpeculativeConfig (parsed in verify)
 
     def __post_init__(self) -> None:
         self.verify()
@@ -155,6 +237,8 @@ class EngineArgs:
             raise ValueError(f"quantization={self.quantization!r} {_NOT_BUILT}")
         if self.kv_cache_dtype not in ("auto",):
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} {_NOT_BUILT}")
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         if self.device is not None:  # checked here, not left to torch's AssertionError deep inside loading
             import re
 

@@ -56,7 +56,12 @@ class EngineStats:
     num_generation_tokens_total: int
     num_steps: int
     scheduler_time_s: float  # scheduling, building the batch tensors (block tables, slot mapping), outputs
-    forward_time_s: float  # the model forward + sampling
+    forward_time_s: float  # the model forward + sampling (a draft model's proposals count as scheduling)
+    # speculative decoding (vLLM's spec_decode_* counters); zeros without speculative_config
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple = ()
 
 
 @dataclass
@@ -136,6 +141,7 @@ class LLMEngine:
         window = max(windows) if windows and all(w is not None for w in windows) else None
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, mnbt, args.enable_chunked_prefill, mode,
                                    sliding_window=window)
+        self.spec_decoder = self._build_spec_decoder(args, num_blocks) if args.speculative_config else None
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
@@ -144,6 +150,48 @@ class LLMEngine:
         logger.info("loaded %s (%s) in %.1fs; KV pool %d blocks x %d tokens = %d tokens, %d bytes; attention %s",
                     args.model, worker.dtype, time.perf_counter() - t0, num_blocks, args.block_size,
                     num_blocks * args.block_size, worker.pool.nbytes, type(worker.backend).__name__)
+
+    def _build_spec_decoder(self, args: EngineArgs, num_blocks: int):
+        """The proposer of `speculative_config` (chapter 7b). A draft model gets a worker and a KV pool of its
+        own with as many token slots as the target's.
+
+        Raises:
+            ValueError: a draft whose vocabulary or tokenizer is not the target's, or that is shorter-lived
+                (max_position_embeddings) than max_model_len.
+        """
+        import dataclasses
+
+        from minfer.spec_decode.decoder import SpecDecoder
+        from minfer.spec_decode.draft_model import DraftModelProposer
+        from minfer.spec_decode.ngram import NgramProposer
+        from minfer.worker import Worker
+
+        spec = args.speculative_config
+        k = spec.num_speculative_tokens
+        if spec.method == "ngram":
+            proposer = NgramProposer(k, spec.prompt_lookup_max, spec.prompt_lookup_min)
+        else:
+            draft = Worker(dataclasses.replace(args, model=spec.model, tokenizer=None, speculative_config=None,
+                                               max_model_len=self.max_model_len))
+            target_cfg = self.model_config.config
+            if draft.config.vocab_size != target_cfg.vocab_size:
+                raise ValueError(f"the draft {spec.model!r} has a vocabulary of {draft.config.vocab_size} tokens, "
+                                 f"the target {target_cfg.vocab_size}: a draft must share the target's tokenizer")
+            try:
+                draft_tok = load_tokenizer(draft.source, draft.eos_token_ids,
+                                           cache_dir=gguf_cache_path(draft.source.path) / "tokenizer"
+                                           if draft.source.kind == "gguf" else None)
+            except (OSError, ValueError):
+                draft_tok = None  # a draft without tokenizer files: the vocabulary size was checked
+            if draft_tok is not None and draft_tok.hf.get_vocab() != self.tokenizer.hf.get_vocab():
+                raise ValueError(f"the draft {spec.model!r} has another tokenizer than the target (same size, "
+                                 "different tokens): a draft must share the target's tokenizer")
+            if draft.config.max_position_embeddings < self.max_model_len:
+                raise ValueError(f"the draft {spec.model!r} handles {draft.config.max_position_embeddings} "
+                                 f"positions, fewer than max_model_len={self.max_model_len}")
+            draft.init_kv_cache(num_blocks, 0)
+            proposer = DraftModelProposer(draft, BlockManager(num_blocks, args.block_size), k)
+        return SpecDecoder(spec.method, proposer, self.block_manager, k, args.max_num_seqs)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -230,6 +278,8 @@ class LLMEngine:
         for s in seqs:
             self.output_processor.free(s)
         self.executor.release([s.seq_id for s in seqs])
+        if self.spec_decoder is not None:
+            self.spec_decoder.release([s.seq_id for s in seqs])
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -242,6 +292,9 @@ class LLMEngine:
         """Run one scheduling step. Returns a RequestOutput for every request that made progress (text so
         far; `finished` set on the last one). Finished requests are retired and their blocks freed."""
         t0 = time.perf_counter()
+        spec = self.spec_decoder
+        if spec is not None:
+            spec.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch:
             if self.scheduler.has_unfinished():
@@ -250,6 +303,8 @@ class LLMEngine:
         t1 = time.perf_counter()
         rows, tokens, chosen, tops = self.executor.execute_model(batch)
         t2 = time.perf_counter()
+        if spec is not None:
+            spec.verified(batch)
         self.scheduler.finish_step(batch)
         now = time.perf_counter()
         touched: dict[str, _Request] = {}
@@ -261,9 +316,14 @@ class LLMEngine:
                 self._prompt_tokens += n
         for k, j in enumerate(rows):
             seq = batch.seqs[j]
-            seq.append_token(tokens[k], chosen[k] if chosen else 0.0, tops[k] if tops else None)
-            self.output_processor.process(seq)
-            self._gen_tokens += 1
+            if isinstance(tokens[k], list):  # a verified speculation: accepted drafts + one more
+                emitted = self._append_verified(seq, tokens[k], chosen[k] if chosen else None,
+                                                tops[k] if tops else None)
+                spec.accept(seq, emitted, len(seq.spec_token_ids))
+            else:
+                seq.append_token(tokens[k], chosen[k] if chosen else 0.0, tops[k] if tops else None)
+                self.output_processor.process(seq)
+                self._gen_tokens += 1
             req = self.requests[seq.request_id]
             if seq.index == 0:
                 m = req.metrics
@@ -273,6 +333,8 @@ class LLMEngine:
             touched[seq.request_id] = req
             if seq.is_finished:
                 self.scheduler.remove(seq)
+        if spec is not None:
+            spec.clear(batch.seqs)
         outputs = []
         for rid, req in touched.items():
             if req.finished:
@@ -284,6 +346,17 @@ class LLMEngine:
         self._sched_time += (t1 - t0) + (time.perf_counter() - t2)
         self._fwd_time += t2 - t1
         return outputs
+
+    def _append_verified(self, seq: Sequence, tokens: list[int], logprobs: list[float] | None, tops) -> int:
+        """Append a verified row's tokens one by one, stopping where the sequence finishes (a stop token,
+        a stop string, max_tokens); returns how many were appended."""
+        for i, t in enumerate(tokens):
+            seq.append_token(t, logprobs[i] if logprobs else 0.0, tops[i] if tops else None)
+            self.output_processor.process(seq)
+            self._gen_tokens += 1
+            if seq.is_finished:
+                return i + 1
+        return len(tokens)
 
     # -- observability -------------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -302,7 +375,15 @@ class LLMEngine:
             num_preemptions=sch.num_preemptions, num_evicted_blocks=bm.num_evicted_blocks,
             num_prompt_tokens_total=self._prompt_tokens, num_generation_tokens_total=self._gen_tokens,
             num_steps=self._steps, scheduler_time_s=self._sched_time + self.worker.build_time_s,
-            forward_time_s=self._fwd_time - self.worker.build_time_s)
+            forward_time_s=self._fwd_time - self.worker.build_time_s, **self._spec_stats())
+
+    def _spec_stats(self) -> dict:
+        if self.spec_decoder is None:
+            return {}
+        m = self.spec_decoder.metrics
+        return dict(spec_decode_num_drafts=m.num_drafts, spec_decode_num_draft_tokens=m.num_draft_tokens,
+                    spec_decode_num_accepted_tokens=m.num_accepted_tokens,
+                    spec_decode_num_accepted_tokens_per_pos=tuple(m.num_accepted_tokens_per_pos))
 
     def all_blocks_free(self) -> bool:
         """True when no sequence holds a block (what every test checks after a run)."""

@@ -34,7 +34,8 @@ class LLM:
         model: alias, local directory, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct).
         **kwargs: any `EngineArgs` field with vLLM's name: dtype, max_model_len, seed, block_size,
             kv_cache_memory_bytes, gpu_memory_utilization, swap_space, max_num_seqs, max_num_batched_tokens,
-            enable_chunked_prefill, enable_prefix_caching, attention_backend, ...
+            enable_chunked_prefill, enable_prefix_caching, attention_backend, speculative_config (vLLM's
+            dict, e.g. {"method": "ngram", "num_speculative_tokens": 4}; chapter 7b), ...
 
     Raises:
         TypeError: an unknown keyword. ValueError / ModelNotFoundError: bad values or an unknown model.

@@ -35,7 +35,8 @@ from minfer.sequence import Sequence, SequenceStatus
 class ScheduledBatch:
     """One step's work: sequences with how many new tokens each computes, and block copies to do first.
 
-    `seqs` are ordered prefill chunks first (num_new > 1), then decodes (num_new == 1).
+    `seqs` are ordered prefill chunks first (num_new > 1), then decodes (num_new == 1). A sequence verifying
+    k speculative drafts (`seq.spec_token_ids`) is a (k + 1)-token chunk: its last token and the drafts.
     """
 
     seqs: list[Sequence] = field(default_factory=list)
@@ -151,6 +152,8 @@ class Scheduler:
         while i < len(self.running):
             seq = self.running[i]
             want = len(seq) - seq.num_computed_tokens
+            if seq.spec_token_ids:
+                want = self._fit_speculation(seq, want, budget)
             n = min(want, budget) if (self.chunked or want == 1) else (want if want <= budget else 0)
             if n <= 0 or len(batch.seqs) >= self.max_num_seqs:
                 i += 1
@@ -199,6 +202,20 @@ class Scheduler:
         batch.num_new_tokens = [batch.num_new_tokens[j] for j in order]
         return batch
 
+    def _fit_speculation(self, seq: Sequence, want: int, budget: int) -> int:
+        """A decoding sequence with k drafts wants 1 + k slots; drafts are dropped (the sequence decodes
+        plainly) rather than outgrow the token budget or take blocks another sequence would lose to
+        preemption."""
+        spec = seq.spec_token_ids
+        del spec[max(0, min(len(spec), budget - want)):]
+        if spec and not self.bm.can_append(seq, want + len(spec)):
+            spec.clear()
+        if not spec:
+            seq.spec_draft_probs = None
+        elif seq.spec_draft_probs is not None:
+            seq.spec_draft_probs = seq.spec_draft_probs[:len(spec)]
+        return want + len(spec)
+
     def _next_waiting(self) -> Sequence:
         """Whose turn it is: the first waiting sequence of the request holding the fewest running or swapped
         sequences, the earliest request among equals.
@@ -237,6 +254,7 @@ class Scheduler:
         # which is the one it is placing or one it has not reached (it walks oldest first).
         assert seq not in batch.seqs, "preempting a sequence already scheduled in this step"
         self.running.remove(seq)
+        seq.spec_token_ids, seq.spec_draft_probs = [], None
         self.num_preemptions += 1
         batch.num_preempted += 1
         if self.preemption_mode == "swap" and self.bm.can_swap_out(seq):

@@ -96,6 +96,8 @@ class Worker:
             a = s.num_computed_tokens
             if n == 1 and s.output_token_ids and a == len(s) - 1:
                 ids.append(s.output_token_ids[-1])  # decode: no list concatenation
+            elif s.spec_token_ids:  # speculative verification: the last token and the k drafts
+                ids.extend(s.all_token_ids[a:] + s.spec_token_ids)
             else:
                 ids.extend(s.all_token_ids[a:a + n])
         starts = torch.tensor([s.num_computed_tokens for s in seqs], dtype=torch.long)
@@ -111,8 +113,14 @@ class Worker:
         slots = tables[seq_idx, positions // self.block_size].long() * self.block_size + positions % self.block_size
         num_prefills = sum(1 for n in counts if n > 1)
         n_pt = int(cu_q[num_prefills])
-        sample_rows = [j for j, s in enumerate(seqs) if s.num_computed_tokens + counts[j] == len(s)]
-        logits_indices = (cu_q[1:] - 1)[sample_rows]
+        spec = [len(s.spec_token_ids) for s in seqs]
+        sample_rows = [j for j, s in enumerate(seqs) if s.num_computed_tokens + counts[j] == len(s) + spec[j]]
+        # A speculating row needs the logits of its last k + 1 positions (verification), others of their last.
+        n_logits = torch.tensor([1 + spec[j] for j in sample_rows], dtype=torch.long)
+        ends = torch.repeat_interleave(cu_q[1:][sample_rows], n_logits)
+        offsets = torch.arange(int(n_logits.sum())) - torch.repeat_interleave(torch.cumsum(n_logits, 0) - n_logits,
+                                                                                n_logits)
+        logits_indices = ends - n_logits.repeat_interleave(n_logits) + offsets
         ctx = ForwardContext(
             attn_backend=self.backend, positions=positions.to(dev), num_prefills=num_prefills,
             num_prefill_tokens=n_pt,
@@ -138,8 +146,50 @@ class Worker:
         if not rows:
             return rows, None, None, None
         logits = self.model.compute_logits(hidden[ctx.logits_indices])
+        if any(batch.seqs[j].spec_token_ids for j in rows):
+            return (rows, *self._verify(logits, [batch.seqs[j] for j in rows]))
         tokens, chosen, tops = self.sampler(logits, [batch.seqs[j] for j in rows])
         return rows, tokens.tolist(), (None if chosen is None else chosen.tolist()), tops
+
+    def _verify(self, logits: torch.Tensor, seqs: list) -> tuple[list, list | None, list | None]:
+        """A batch with speculating rows: ordinary rows go through the sampler, each speculating row through
+        `rejection_sample` over its k + 1 logits and yields a list of tokens (with lists of logprobs)."""
+        from minfer.spec_decode.rejection import rejection_sample
+
+        sizes = [1 + len(s.spec_token_ids) for s in seqs]
+        last = torch.cumsum(torch.tensor(sizes), 0) - 1
+        plain = [i for i, s in enumerate(seqs) if not s.spec_token_ids]
+        tokens: list = [None] * len(seqs)
+        chosen: list | None = None
+        tops: list | None = None
+        want_lp = any(s.params.logprobs is not None for s in seqs)
+        if want_lp:
+            chosen, tops = [None] * len(seqs), [None] * len(seqs)
+        if plain:
+            t, c, tp = self.sampler(logits[last[plain]], [seqs[i] for i in plain])
+            for r, i in enumerate(plain):
+                tokens[i] = int(t[r])
+                if want_lp:
+                    chosen[i] = float(c[r]) if c is not None else 0.0
+                    tops[i] = tp[r] if tp is not None else None
+        start = 0
+        for i, (s, n) in enumerate(zip(seqs, sizes)):
+            if s.spec_token_ids:
+                rows = logits[start:start + n].float()
+                out = rejection_sample(rows, s.spec_token_ids, s.params, s.spec_draft_probs,
+                                       self.sampler.generator_for(s, logits.device) or self.generator)
+                tokens[i] = out
+                if want_lp:
+                    logp = rows[:len(out)].log_softmax(dim=-1)
+                    ids = torch.tensor(out, device=logp.device)
+                    lp = logp.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
+                    chosen[i] = lp
+                    k = s.params.logprobs or 0
+                    vals, top_ids = logp.topk(k, dim=-1) if k else (None, None)
+                    tops[i] = [{**(dict(zip(top_ids[r].tolist(), vals[r].tolist())) if k else {}), out[r]: lp[r]}
+                               for r in range(len(out))]
+            start += n
+        return tokens, chosen, tops
 
     def release(self, seq_ids: list[int]) -> None:
         """Drop the per-sequence state of retired sequences (their seeded random streams)."""

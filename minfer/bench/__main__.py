@@ -1,17 +1,19 @@
-"""`python -m minfer.bench {decode,gemv,engine,serve} ...`: pick a benchmark.
+"""`python -m minfer.bench {decode,gemv,engine,serve,profile,spec} ...`: pick a benchmark.
 
 - decode: batch-1 decode tokens/s, minfer vs transformers `generate()`, and the memory-bandwidth ceiling.
 - gemv: batch-1 matrix-vector GB/s per weight layout (why `Linear` repacks its weights).
 - engine: offline engine throughput, prefix-cache TTFT and chunked-prefill ITL (the serving engine).
 - serve: a `vllm bench serve`-style client against any OpenAI-compatible server.
 - profile: where one request's time goes, phase by phase and the forward by op type.
+- spec: speculative decoding (n-gram, draft model) speed-up against acceptance, vs the formula.
 """
 
 import importlib
 import sys
 
 _COMMANDS = {"decode": "minfer.bench.decode", "gemv": "minfer.bench.gemv", "engine": "minfer.bench.engine", "serve": "minfer.bench.serve",
-             "profile": "minfer.bench.profile"}
+             "profile": "minfer.bench.profile",
+             "spec": "minfer.bench.spec"}
 
 
 def main(argv: list[str] | None = None) -> int:

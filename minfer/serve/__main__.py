@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--enable-flash-attn", action="store_true",
       help="Triton FlashAttention + paged-decode kernels, i.e. --attention-backend triton (default: off)")
     a("--device", default=d["device"], metavar="DEV", help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    a("--speculative-config", default=None, metavar="JSON",
+      help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+           '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 4}\' '
+           "(default: off)")
     a("--seed", type=int, metavar="N", default=d["seed"], help=f"engine random seed (default: {d['seed']})")
     a("--disable-log-requests", action="store_true", help="do not log each request (default: log them)")
     a("--uvicorn-log-level", default="info", metavar="LEVEL", choices=["critical", "error", "warning", "info", "debug", "trace"],
@@ -167,7 +171,8 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         attention_backend="triton" if args.enable_flash_attn else args.attention_backend,
         enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size, quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype, device=args.device)
+        kv_cache_dtype=args.kv_cache_dtype, device=args.device,
+        speculative_config=getattr(args, "speculative_config", None))
 
 
 def _fmt_bytes(n) -> str:

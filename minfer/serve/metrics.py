@@ -18,6 +18,8 @@ collide). Everything here is updated from the engine-loop thread; prometheus-cli
 | minfer:num_preemptions | counter | sequences preempted (KV pool full) |
 | minfer:num_evicted_blocks | counter | cached blocks evicted from the prefix cache |
 | minfer:prompt_tokens / minfer:generation_tokens | counter | tokens prefilled / generated |
+| minfer:spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens | counter | speculative decoding: verification rounds, tokens proposed, accepted |
+| minfer:spec_decode_num_accepted_tokens_per_pos | counter | accepted drafts by position (label position, 0-based) |
 | minfer:request_success | counter | finished requests, label finished_reason (stop, length, abort) |
 | minfer:request_errors | counter | rejected requests, label status (400, 401, 404, 500) |
 
@@ -44,6 +46,9 @@ _COUNTER_FIELDS = {
     "num_evicted_blocks": "num_evicted_blocks",
     "num_prompt_tokens_total": "prompt_tokens",
     "num_generation_tokens_total": "generation_tokens",
+    "spec_decode_num_drafts": "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens": "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens": "spec_decode_num_accepted_tokens",
 }
 
 
@@ -90,6 +95,15 @@ class ServerMetrics:
         self.num_evicted_blocks = counter("minfer:num_evicted_blocks", "Cached KV blocks evicted.")
         self.prompt_tokens = counter("minfer:prompt_tokens", "Prompt tokens prefilled.")
         self.generation_tokens = counter("minfer:generation_tokens", "Tokens generated.")
+        self.spec_decode_num_drafts = counter("minfer:spec_decode_num_drafts",
+                                              "Speculative decoding: verification rounds (one per sequence and step).")
+        self.spec_decode_num_draft_tokens = counter("minfer:spec_decode_num_draft_tokens",
+                                                    "Speculative decoding: draft tokens proposed.")
+        self.spec_decode_num_accepted_tokens = counter("minfer:spec_decode_num_accepted_tokens",
+                                                       "Speculative decoding: draft tokens accepted.")
+        self._spec_per_pos = Counter("minfer:spec_decode_num_accepted_tokens_per_pos",
+                                     "Speculative decoding: accepted draft tokens by position (0-based).",
+                                     ["model_name", "position"], registry=r)
         self._success = Counter("minfer:request_success", "Finished requests.", ["model_name", "finished_reason"],
                                 registry=r)
         self._errors = Counter("minfer:request_errors", "Requests rejected with an error status.",
@@ -113,6 +127,12 @@ class ServerMetrics:
             if delta > 0:
                 getattr(self, attr).inc(delta)
             self._last[field] = max(value, self._last.get(field, 0))
+        for pos, value in enumerate(getattr(stats, "spec_decode_num_accepted_tokens_per_pos", ()) or ()):
+            key = f"spec_per_pos_{pos}"
+            delta = value - self._last.get(key, 0)
+            if delta > 0:
+                self._spec_per_pos.labels(self.model_name, str(pos)).inc(delta)
+            self._last[key] = max(value, self._last.get(key, 0))
 
     def observe_first_token(self, ttft: float) -> None:
         self.ttft.observe(max(0.0, ttft))
