@@ -72,7 +72,10 @@ class EngineArgs:
         enforce_eager: vLLM's switch that turns off CUDA-graph capture of decode steps. minfer captures no
             graphs yet, so it runs eagerly either way and the flag changes nothing (on a CPU there are no
             graphs to capture at all); it is accepted so the article's vLLM command runs unchanged.
-        tensor_parallel_size, pipeline_parallel_size, quantization, kv_cache_dtype: later chapters.
+        quantization: weight quantization, None or one of "int8", "int4", "gguf" (`minfer.quantization`).
+        quantization_config: the method's settings, a dict or a JSON object string ({"group_size": 64} for
+            int4); parsed into a dict here.
+        tensor_parallel_size, pipeline_parallel_size, kv_cache_dtype: later chapters.
     """
 
     model: str = DEFAULT_MODEL
@@ -94,6 +97,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     quantization: str | None = None
+    quantization_config: dict | str | None = None
     kv_cache_dtype: str = "auto"
     device: str | None = None
 
@@ -151,8 +155,9 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} {_NOT_BUILT}")
         if self.pipeline_parallel_size != 1:
             raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} {_NOT_BUILT}")
-        if self.quantization not in (None, "none"):
-            raise ValueError(f"quantization={self.quantization!r} {_NOT_BUILT}")
+        from minfer.quantization import parse_quantization_config
+
+        self.quantization_config = parse_quantization_config(self.quantization, self.quantization_config)
         if self.kv_cache_dtype not in ("auto",):
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} {_NOT_BUILT}")
         if self.device is not None:  # checked here, not left to torch's AssertionError deep inside loading
