@@ -7,6 +7,7 @@ field names are vLLM's engine-argument names, so the article's vLLM command maps
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -40,6 +41,51 @@ def torch_dtype(name: str):
     if key not in DTYPES or DTYPES[key][0] is None:
         raise ValueError(f"unknown dtype {name!r}; known: {sorted(n for n, (t, _) in DTYPES.items() if t)}")
     return getattr(torch, DTYPES[key][0])
+
+# Weight quantization (minfer/quantization/): the methods, and the settings each accepts.
+QUANTIZATION_METHODS = ("int8", "int4", "gguf")
+# Names vLLM has that minfer does not build (yet): refused with a message that says so.
+NOT_BUILT_METHODS = ("awq", "gptq", "fp8", "bitsandbytes", "marlin", "gptq_marlin", "awq_marlin")
+# The keys each method's quantization_config accepts.
+CONFIG_KEYS = {"int8": (), "int4": ("group_size",), "gguf": ()}
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's int4 CPU op supports
+
+
+def parse_quantization_config(quantization: str | None, config) -> dict:
+    """Validate `quantization` and its config (a dict, a JSON object string, or None) -> the config dict.
+
+    Raises:
+        ValueError: an unknown method (lists the known ones), a method that is not built, a config that is
+            not a JSON object, an unknown key for the method, a config without a method, or a bad group size.
+    """
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"quantization_config is not valid JSON ({e}): give an object such as "
+                             '\'{"group_size": 64}\'') from None
+    config = {} if config is None else config
+    if not isinstance(config, dict):
+        raise ValueError(f"quantization_config must be a JSON object (a dict), got {type(config).__name__}")
+    if quantization in (None, "none"):
+        if config:
+            raise ValueError(f"quantization_config={config!r} was given without a quantization method")
+        return {}
+    if quantization in NOT_BUILT_METHODS:
+        raise ValueError(f"quantization={quantization!r} is not built in minfer yet; built: "
+                         f"{', '.join(QUANTIZATION_METHODS)}")
+    if quantization not in QUANTIZATION_METHODS:
+        raise ValueError(f"unknown quantization method {quantization!r}; known: {', '.join(QUANTIZATION_METHODS)}")
+    unknown = sorted(set(config) - set(CONFIG_KEYS[quantization]))
+    if unknown:
+        allowed = ", ".join(CONFIG_KEYS[quantization]) or "none"
+        raise ValueError(f"quantization_config for {quantization!r} has unknown key(s) {unknown}; allowed: {allowed}")
+    if quantization == "int4":
+        g = config.get("group_size", None)
+        if g is not None and (not isinstance(g, int) or isinstance(g, bool) or g not in INT4_GROUP_SIZES):
+            raise ValueError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {g!r}")
+    return dict(config)
+
 
 # Features that have a flag but no implementation yet: starting with them set stops with this message,
 # so that no flag is silently ignored.
@@ -155,8 +201,6 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} {_NOT_BUILT}")
         if self.pipeline_parallel_size != 1:
             raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} {_NOT_BUILT}")
-        from minfer.quantization import parse_quantization_config
-
         self.quantization_config = parse_quantization_config(self.quantization, self.quantization_config)
         if self.kv_cache_dtype not in ("auto",):
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} {_NOT_BUILT}")

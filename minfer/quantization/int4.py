@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import torch
 
+from minfer.config import INT4_GROUP_SIZES
 from minfer.quantization.base import QuantizedLinearMethod, store
 
-INT4_GROUP_SIZES = (32, 64, 128, 256)
 DEFAULT_GROUP_SIZE = 64
 
 
