@@ -202,3 +202,20 @@ def test_gguf_needs_a_gguf_model(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="quantization='gguf' runs a .gguf file"):
         load_model(source=ModelSource(kind="hf", path=tmp_path, name="x"), quantization="gguf")
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--quantization", "int4", "--quantization-config", '{"group_size": 48}'], "group_size must be one of"),
+    (["--quantization", "int9"], "unknown quantization method"),
+])
+def test_server_refuses_bad_quantization_before_loading(flags, needle):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-m", "minfer.serve", *flags], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and needle in r.stderr, r.stderr
