@@ -64,16 +64,18 @@ def reference(x, w_hat):
 def test_routes_match_dequantize_then_matmul(method, out, k, rows):
     m = Int8LinearMethod() if method == "int8" else Int4LinearMethod(int(method.split("-")[1]))
     layer, w = make_linear(m, out, k, bias=True)
-    x = torch.randn(2, rows, k)
+    x = torch.randn(2, rows, k, generator=torch.Generator().manual_seed(rows))
     y = layer(x)
     assert y.shape == (2, rows, out) and y.dtype == torch.float32
     ref = reference(x.reshape(-1, k), m.dequantize(layer, torch.float32)).view(2, rows, out) + layer.bias
     scale = ref.abs().max()
     assert float((y - ref).abs().max()) <= 1e-2 * float(scale)  # bf16 output: ~2^-8 relative
-    # and the quantized product stays near the float one (the quantization error itself)
+    # and the quantized product is off the float one by at most what the weight error can do (Cauchy-Schwarz:
+    # |x . (w_n - w_hat_n)| <= |x| |w_n - w_hat_n|), plus the bfloat16 roundings of x and y
     full = F.linear(x, w) + layer.bias
-    tol = 0.02 if method == "int8" else 0.2
-    assert float((y - full).norm() / full.norm()) < tol
+    w_err = (m.dequantize(layer, torch.float32) - w).norm(dim=1)  # [out]
+    bound = x.norm(dim=-1, keepdim=True) * (w_err + w.norm(dim=1) * 2 ** -8) + full.abs() * 2 ** -7 + 1e-4
+    assert bool(((y - full).abs() <= bound).all())
 
 
 def test_quantized_layer_keeps_no_float_weight():
@@ -166,28 +168,47 @@ def test_gguf_q4_1_blocks_map_onto_the_int4_op():
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,", "Once upon a time, a small robot"]
 
 
+# Nats between the simple path's two best tokens below which a bfloat16 step can flip them: one bfloat16 step
+# of a logit between 16 and 32 is 2^-3 = 0.125 (8 significant bits). The flip measured below had 0.051.
+NEAR_TIE = 0.125
+
+
+def assert_same_until_a_near_tie(engine_out, simple_out, what):
+    """Tokens equal, or equal up to a step where the simple path's top two log-probs were within NEAR_TIE
+    and the engine took the runner-up (then the continuations differ and are not compared)."""
+    a, b = engine_out.token_ids, simple_out.token_ids
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            top = simple_out.logprobs[i]
+            best, second = sorted(top.values(), key=lambda v: -v)[:2]
+            assert x in top and best - second < NEAR_TIE, (f"{what}: token {i} differs ({x} vs {y}) with a "
+                                                            f"margin of {best - second:.3f} nats")
+            return i
+    assert len(a) == len(b), what
+    return None
+
+
 @needs_default_model
-@pytest.mark.parametrize("quantization,config", [
-    pytest.param("int8", None, marks=pytest.mark.xfail(
-        reason="measured: 'def fibonacci(n):' flips at token 13 under swap preemption; the int8 op itself is "
-               "batch-invariant and equals the dequantize route bit for bit (test_routes_*), so the flip comes "
-               "from a last-bit difference upstream (attention/head) that bfloat16 rounding amplifies",
-        strict=False)),
-    ("gguf", None), ("int4", {"group_size": 32})])
+@pytest.mark.parametrize("quantization,config", [("int8", None), ("gguf", None), ("int4", {"group_size": 32})])
 def test_engine_greedy_equals_simple_path(quantization, config):
     from minfer import LLM, SamplingParams
 
     # A pool of 6 blocks of 16 tokens for 4 sequences of ~32 tokens (2 blocks each): some are preempted, by
-    # swap. (Recompute re-runs decoded tokens as a prefill, through the other route: both round to bfloat16,
-    # so a last-bit difference in the attention can move a value by one bfloat16 step and flip a near-tie;
-    # chapter 5 measures that agreement instead of asserting it.)
+    # swap. Quantized products round activations and outputs to bfloat16 (chapter 5 §5.3), which turns a
+    # last-bit difference upstream (the attention kernel, the float head's two layouts) into a whole
+    # bfloat16 step now and then: measured, 'def fibonacci(n):' flips at token 13, where the two best tokens
+    # are 0.051 nats apart, in some runs and not others. So the check is: identical tokens,
+    # or identical up to such a measured near-tie. (Recompute, which re-runs decoded tokens as a prefill
+    # through the other route, gives more such flips; chapter 5 says so.)
     llm = LLM(quantization=quantization, quantization_config=config, max_model_len=64, block_size=16,
               kv_cache_memory_bytes=6 * 16 * 30 * 2 * 3 * 64 * 4, seed=0, preemption_mode="swap", swap_space=0.05)
-    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     outs = llm.generate(PROMPTS, sp)
+    flips = 0
     for p, o in zip(PROMPTS, outs):
         simple, _ = llm.generate_simple(p, sp)
-        assert o.outputs[0].token_ids == simple.outputs[0].token_ids, p
+        flips += assert_same_until_a_near_tie(o.outputs[0], simple.outputs[0], p) is not None
+    assert flips <= 1
     stats = llm.stats()
     assert stats.num_preemptions > 0  # the batched run really was preempted
     layer = llm.llm_engine.worker.model.model.layers[0].mlp.gate_up_proj
