@@ -7,8 +7,9 @@ quantizes it once in `process_weights_after_loading`, and then runs one of two r
   activations the same ops are 5-20x slower than float32 sgemm, with bfloat16 ones 1.7-2.4x faster.
 - the dequantize route (many rows: prefill, batched decode): expand the codes to the activation dtype and run
   one `F.linear`, rounding its input and output to bfloat16 as the kernel does (so both routes compute the
-  same W4A16 / W8A16 product and greedy tokens do not depend on the batch). The product is compute-bound there, so the expansion (one pass over the weight) is cheap
-  next to it, and MKL/oneDNN's sgemm is 10-100x faster than the packed ops at 64 rows.
+  same W4A16 / W8A16 product, up to the order of the sums; chapter 5 §5.5 measures what is left). The
+  product is compute-bound there, so the expansion (one pass over the weight) is cheap next to it, and
+  MKL/oneDNN's sgemm was 6-20x faster than the packed ops at 64 rows (measured on 2 shared cores).
 
 A tied LM head (`layer.keep_rows`, the embedding reads its rows) stays in the model's float layout: its
 49,152-row product is slower through the packed ops than through sgemm (measured), as in vLLM, where the LM
