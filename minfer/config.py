@@ -7,6 +7,7 @@ field names are vLLM's engine-argument names, so the article's vLLM command maps
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -40,6 +41,7 @@ def torch_dtype(name: str):
     if key not in DTYPES or DTYPES[key][0] is None:
         raise ValueError(f"unknown dtype {name!r}; known: {sorted(n for n, (t, _) in DTYPES.items() if t)}")
     return getattr(torch, DTYPES[key][0])
+
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 
@@ -120,6 +122,51 @@ class SpeculativeConfig:
                              "the quantization issue (minfer loads no quantized copy of a model yet)")
 
 
+# Weight quantization (minfer/quantization/): the methods, and the settings each accepts.
+QUANTIZATION_METHODS = ("int8", "int4", "gguf")
+# Names vLLM has that minfer does not build (yet): refused with a message that says so.
+NOT_BUILT_METHODS = ("awq", "gptq", "fp8", "bitsandbytes", "marlin", "gptq_marlin", "awq_marlin")
+# The keys each method's quantization_config accepts.
+CONFIG_KEYS = {"int8": (), "int4": ("group_size",), "gguf": ()}
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's int4 CPU op supports
+
+
+def parse_quantization_config(quantization: str | None, config) -> dict:
+    """Validate `quantization` and its config (a dict, a JSON object string, or None) -> the config dict.
+
+    Raises:
+        ValueError: an unknown method (lists the known ones), a method that is not built, a config that is
+            not a JSON object, an unknown key for the method, a config without a method, or a bad group size.
+    """
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"quantization_config is not valid JSON ({e}): give an object such as "
+                             '\'{"group_size": 64}\'') from None
+    config = {} if config is None else config
+    if not isinstance(config, dict):
+        raise ValueError(f"quantization_config must be a JSON object (a dict), got {type(config).__name__}")
+    if quantization in (None, "none"):
+        if config:
+            raise ValueError(f"quantization_config={config!r} was given without a quantization method")
+        return {}
+    if quantization in NOT_BUILT_METHODS:
+        raise ValueError(f"quantization={quantization!r} is not built in minfer yet; built: "
+                         f"{', '.join(QUANTIZATION_METHODS)}")
+    if quantization not in QUANTIZATION_METHODS:
+        raise ValueError(f"unknown quantization method {quantization!r}; known: {', '.join(QUANTIZATION_METHODS)}")
+    unknown = sorted(set(config) - set(CONFIG_KEYS[quantization]))
+    if unknown:
+        allowed = ", ".join(CONFIG_KEYS[quantization]) or "none"
+        raise ValueError(f"quantization_config for {quantization!r} has unknown key(s) {unknown}; allowed: {allowed}")
+    if quantization == "int4":
+        g = config.get("group_size", None)
+        if g is not None and (not isinstance(g, int) or isinstance(g, bool) or g not in INT4_GROUP_SIZES):
+            raise ValueError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {g!r}")
+    return dict(config)
+
+
 # Features that have a flag but no implementation yet: starting with them set stops with this message,
 # so that no flag is silently ignored.
 _NOT_BUILT = "is not built in minfer yet (see the issues list); leave it at its default"
@@ -151,7 +198,10 @@ class EngineArgs:
         enforce_eager: vLLM's switch that turns off CUDA-graph capture of decode steps. minfer captures no
             graphs yet, so it runs eagerly either way and the flag changes nothing (on a CPU there are no
             graphs to capture at all); it is accepted so the article's vLLM command runs unchanged.
-        tensor_parallel_size, pipeline_parallel_size, quantization, kv_cache_dtype: later chapters.
+        quantization: weight quantization, None or one of "int8", "int4", "gguf" (`minfer.quantization`).
+        quantization_config: the method's settings, a dict or a JSON object string ({"group_size": 64} for
+            int4); parsed into a dict here.
+        tensor_parallel_size, pipeline_parallel_size, kv_cache_dtype: later chapters.
         speculative_config: None, or vLLM's dict `{"method": "ngram" | "draft_model", "num_speculative_tokens":
             k, ...}` (a JSON string is accepted); parsed into `SpeculativeConfig` (chapter 7b).
     """
@@ -175,6 +225,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     quantization: str | None = None
+    quantization_config: dict | str | None = None
     kv_cache_dtype: str = "auto"
     device: str | None = None
     speculative_config: dict | None = None  # vLLM's shape; see SpeculativeConfig (parsed in verify)
@@ -233,8 +284,7 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} {_NOT_BUILT}")
         if self.pipeline_parallel_size != 1:
             raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} {_NOT_BUILT}")
-        if self.quantization not in (None, "none"):
-            raise ValueError(f"quantization={self.quantization!r} {_NOT_BUILT}")
+        self.quantization_config = parse_quantization_config(self.quantization, self.quantization_config)
         if self.kv_cache_dtype not in ("auto",):
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} {_NOT_BUILT}")
         if self.speculative_config is not None:

@@ -27,7 +27,10 @@ def measure_read_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
 
 
 def run(model: str = "smollm2-135m-instruct", new_tokens: int = 64, repeats: int = 3, threads: int | None = None,
-        prompt: str = "Once upon a time, in a small village by the sea,") -> dict:
+        prompt: str = "Once upon a time, in a small village by the sea,", quantization: list[str] | None = None,
+        quantization_config: dict | None = None) -> dict:
+    """Measure; `quantization` adds one minfer engine per method (int8, int4, gguf; `quantization_config`
+    applies to int4), timed in the same alternating loop, each with its resident weight bytes."""
     from transformers import AutoModelForCausalLM
 
     from minfer import LLM, SamplingParams
@@ -38,6 +41,9 @@ def run(model: str = "smollm2-135m-instruct", new_tokens: int = 64, repeats: int
         torch.set_num_threads(threads)
     llm = LLM(model=model, dtype="float32", device="cpu", max_model_len=1024, kv_cache_memory_bytes=64 << 20)
     ids = llm.tokenizer.encode(prompt)
+    quant = {q: LLM(model=model, dtype="float32", device="cpu", max_model_len=1024, kv_cache_memory_bytes=64 << 20,
+                    quantization=q, quantization_config=quantization_config if q == "int4" else None)
+             for q in (quantization or [])}
     path = find_default_gguf() if model == "smollm2-135m-instruct" else None
     if path is not None:
         hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
@@ -46,9 +52,9 @@ def run(model: str = "smollm2-135m-instruct", new_tokens: int = 64, repeats: int
     hf.eval()
     input_ids = torch.tensor([ids])
 
-    def minfer_run(n):
+    def minfer_run(n, engine=None):
         t = time.perf_counter()
-        llm.generate_simple(ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        (engine or llm).generate_simple(ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
         return time.perf_counter() - t
 
     def hf_run(n):
@@ -59,10 +65,14 @@ def run(model: str = "smollm2-135m-instruct", new_tokens: int = 64, repeats: int
         return time.perf_counter() - t
 
     minfer_run(4), hf_run(4)  # warm-up
-    ours, theirs = [], []
+    for q in quant.values():
+        minfer_run(4, q)
+    ours, theirs, qtimes = [], [], {q: [] for q in quant}
     for _ in tqdm(range(repeats), desc="decode benchmark"):
         ours.append((minfer_run(new_tokens) - minfer_run(1)) / (new_tokens - 1))
         theirs.append((hf_run(new_tokens) - hf_run(1)) / (new_tokens - 1))
+        for q, engine in quant.items():
+            qtimes[q].append((minfer_run(new_tokens, engine) - minfer_run(1, engine)) / (new_tokens - 1))
     wbytes = weight_bytes(llm.llm_engine.worker.model)
     bw = measure_read_bandwidth()
     res = {
@@ -73,6 +83,12 @@ def run(model: str = "smollm2-135m-instruct", new_tokens: int = 64, repeats: int
     res["ratio"] = res["minfer_tok_s"] / res["transformers_tok_s"]
     res["minfer_fraction_of_ceiling"] = res["minfer_tok_s"] / res["ceiling_tok_s"]
     res["transformers_fraction_of_ceiling"] = res["transformers_tok_s"] / res["ceiling_tok_s"]
+    res["quantized"] = {q: {"tok_s": 1 / statistics.median(t), "vs_float32": statistics.median(ours) / statistics.median(t),
+                            "weight_bytes": weight_bytes(quant[q].llm_engine.worker.model),
+                            "quantization_config": quant[q].engine_args.quantization_config}
+                        for q, t in qtimes.items()}
+    if quant:
+        res["note"] = "measured on a shared 2-core machine (other jobs running): compare ratios from the same run"
     return res
 
 
@@ -83,14 +99,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="alternating runs per engine (default 3)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's)")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
+    ap.add_argument("--quantization", default=None, metavar="M[,M]",
+                    help="also time minfer with these weight quantizations: int8, int4, gguf (comma-separated)")
+    ap.add_argument("--quantization-config", default=None, metavar="JSON",
+                    help='settings for int4, e.g. \'{"group_size": 64}\'')
     args = ap.parse_args(argv)
-    r = run(args.model, args.new_tokens, args.repeats, args.threads)
+    qcfg = json.loads(args.quantization_config) if args.quantization_config else None
+    r = run(args.model, args.new_tokens, args.repeats, args.threads,
+            quantization=args.quantization.split(",") if args.quantization else None, quantization_config=qcfg)
     print(f"model {r['model']} float32, {r['threads']} threads, batch 1, {r['new_tokens']} new tokens")
     print(f"  minfer        {r['minfer_tok_s']:7.1f} tok/s  ({r['minfer_fraction_of_ceiling']:.0%} of ceiling)")
     print(f"  transformers  {r['transformers_tok_s']:7.1f} tok/s  ({r['transformers_fraction_of_ceiling']:.0%} of ceiling)")
     print(f"  ratio minfer / transformers = {r['ratio']:.2f}x   (target >= 1.5x)")
     print(f"  ceiling: {r['weight_bytes'] / 1e6:.0f} MB of weights per token at {r['read_bandwidth_GBps']:.1f} GB/s "
           f"read bandwidth = {r['ceiling_tok_s']:.1f} tok/s")
+    for q, v in r.get("quantized", {}).items():
+        print(f"  minfer {q:6s} {v['tok_s']:7.1f} tok/s  ({v['vs_float32']:.2f}x float32; "
+              f"{v['weight_bytes'] / 1e6:.0f} MB resident weights)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r, f, indent=2)

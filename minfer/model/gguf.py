@@ -209,3 +209,14 @@ def load_gguf(path: Path) -> tuple[ModelConfig, tuple, Iterable[tuple[str, torch
         except OSError:
             pass  # a read-only home only costs the next load its seconds
     return cfg, eos, tensors.items()
+
+
+def load_gguf_blocks(path: Path) -> tuple[ModelConfig, tuple, Iterator[tuple[str, torch.Tensor]]]:
+    """Config, EOS ids and (HF name, tensor) pairs of a GGUF file for `quantization="gguf"`: Q4_0/Q4_1
+    Linear weights as their raw blocks (`minfer.quantization.gguf.gguf_tensor`), the rest as float32.
+    Not cached: reading the blocks is a copy, not a dequantization."""
+    from minfer.quantization.gguf import gguf_tensor
+
+    reader = open_gguf(path)
+    cfg, eos = gguf_config(reader, path)
+    return cfg, eos, ((b.name, gguf_tensor(b, cfg, unpermute_rope)) for b in iter_gguf_blocks(reader))

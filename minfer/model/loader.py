@@ -18,11 +18,12 @@ import torch
 from tqdm.auto import tqdm
 
 from minfer.config import DEFAULT_MODEL, MODEL_DTYPES, ModelConfig, torch_dtype
-from minfer.model.gguf import load_gguf
+from minfer.model.gguf import load_gguf, load_gguf_blocks
 from minfer.model.layers import BuildOptions, process_weights_after_loading
 from minfer.model.linear_method import LinearMethodBase, default_linear_method, default_weight_loader
 from minfer.model.registry import config_from_hf, model_class
 from minfer.model.sources import ModelSource, resolve_model
+from minfer.quantization import get_quantization_method
 
 logger = logging.getLogger(__name__)
 
@@ -183,24 +184,35 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None, device
 
 def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", device: str | torch.device | None = None,
                max_model_len: int | None = None, source: ModelSource | None = None,
-               fused_ops: bool = False, linear_method: LinearMethodBase | None = None) -> LoadedModel:
+               fused_ops: bool = False, linear_method: LinearMethodBase | None = None,
+               quantization: str | None = None, quantization_config: dict | str | None = None) -> LoadedModel:
     """Load a model by name (see `minfer.model.sources.resolve_model`) onto `device` in `dtype`.
 
     Args:
         fused_ops: build RMSNorm, SiLU-and-mul and RoPE as the fused Triton kernels (the Triton backend).
         linear_method: how every Linear stores and multiplies its weight; default
             `default_linear_method(device, dtype)` (the fastest CPU layout, or "nn" on a GPU).
+        quantization, quantization_config: a weight-quantization method of `minfer.quantization` and its
+            settings; the layers it keeps in float (the tied LM head) use `linear_method`. "gguf" reads a
+            GGUF file's Q4_0/Q4_1 blocks as stored instead of the dequantized float32 cache.
 
     Returns:
         LoadedModel with the module in eval mode, its config and EOS ids.
 
     Raises:
         ModelNotFoundError, ValueError, FileNotFoundError: as `resolve_model`, `hf_config`, `load_weights`;
-        ValueError when `max_model_len` exceeds what the model was trained for.
+        ValueError when `max_model_len` exceeds what the model was trained for, for a bad quantization
+        method or config (a group size that does not divide a layer), or "gguf" with a model that is no GGUF.
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     source = source or resolve_model(name)
-    if source.kind == "gguf":
+    if quantization == "gguf":
+        if source.kind != "gguf":
+            raise ValueError(f"quantization='gguf' runs a .gguf file's own blocks, but {source.path} is a "
+                             f"{source.kind} model: use int8 or int4 for it")
+        cfg, eos, tensors = load_gguf_blocks(source.path)
+        ckpt_dtype = "float32"
+    elif source.kind == "gguf":
         cfg, eos, tensors = load_gguf(source.path)
         ckpt_dtype = "float32"
     else:
@@ -216,7 +228,10 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
             f"max_position_embeddings, times the rope_scaling factor if any); positions beyond it were never "
             "trained. Lower max_model_len, or load a checkpoint whose config extends the context.")
     dtype_ = resolve_dtype(dtype, ckpt_dtype, device)
-    build = BuildOptions(linear_method=linear_method or default_linear_method(device, dtype_), fused_ops=fused_ops)
+    linear_method = linear_method or default_linear_method(device, dtype_)
+    if quantization not in (None, "none"):
+        linear_method = get_quantization_method(quantization, quantization_config, fallback=linear_method)
+    build = BuildOptions(linear_method=linear_method, fused_ops=fused_ops)
     max_positions = max(cfg.max_position_embeddings, max_model_len or 0)
     # Built straight on the device in its dtype (vLLM's `set_default_torch_dtype` + target device): the linear
     # methods' `torch.empty` weights cost no initialization, and each parameter keeps the `weight_loader`

@@ -2,7 +2,7 @@
 
 With no arguments it serves the default model (smollm2-135m-instruct) on http://127.0.0.1:8000. The flags
 carry vLLM's names and meanings (`vllm serve MODEL --max-num-seqs ...`), each mapped onto one `EngineArgs`
-field. A flag whose feature minfer has not built (tensor/pipeline parallelism, quantization, an fp8 KV cache)
+field. A flag whose feature minfer has not built (tensor/pipeline parallelism, AWQ/GPTQ, an fp8 KV cache)
 stops start-up with the reason and exit status 2: none is silently ignored.
 
     python -m minfer.serve --max-model-len 2048 --enable-prefix-caching --max-num-seqs 64 --port 8000
@@ -72,7 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
       help="KV pool size, overrides the fraction (bytes, e.g. 512M; default: 1 GiB on a CPU, --gpu-memory-utilization on CUDA)")
     a("--dtype", default=d["dtype"], metavar="DTYPE", help=f"weight/activation dtype: auto, float32, bfloat16, float16 "
                                           f"(default: {d['dtype']})")
-    a("--quantization", "-q", default=d["quantization"], metavar="METHOD", help="weight quantization method (default: none; any method is refused: not built)")
+    a("--quantization", "-q", default=d["quantization"], metavar="METHOD",
+      help="weight quantization: int8, int4 or gguf (the .gguf file's own Q4 blocks) (default: none)")
+    a("--quantization-config", default=None, metavar="JSON",
+      help='the method\'s settings as a JSON object, e.g. \'{"group_size": 64}\' for int4 (default: none)')
     a("--kv-cache-dtype", default=d["kv_cache_dtype"], metavar="DTYPE", help=f"KV cache dtype (default: {d['kv_cache_dtype']}; "
                                                             "fp8 not built)")
     a("--block-size", type=int, metavar="N", default=d["block_size"], help=f"tokens per KV block (tokens; default: {d['block_size']})")
@@ -171,6 +174,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         attention_backend="triton" if args.enable_flash_attn else args.attention_backend,
         enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size, quantization=args.quantization,
+        quantization_config=args.quantization_config,
         kv_cache_dtype=args.kv_cache_dtype, device=args.device,
         speculative_config=getattr(args, "speculative_config", None))
 

@@ -1,0 +1,132 @@
+"""`quantization="int4"`: weight-only, group-wise asymmetric INT4, round to nearest (RTN; the baseline of
+the GPTQ and AWQ papers; vLLM's W4A16).
+
+Each row of `W [out, in]` is cut into groups of `group_size` consecutive inputs; a group g has a scale s and a
+zero z (stored in bfloat16, the packed op's dtype) and 4-bit codes q in [0, 15]:
+
+    s = (max(w_g) - min(w_g)) / 15     z = min(w_g) + 8 s     q = clamp(round((w - z) / s) + 8, 0, 15)
+    w_hat = (q - 8) s + z              |w - w_hat| <= s / 2 inside [min, max]
+
+This is exactly the convention of torch's `_weight_int4pack_mm_for_cpu(x, packed, group_size,
+scales_and_zeros [in/G, out, 2])`, so the codes go to the op unchanged; GGUF's Q4_1 block (d, m, 32 codes:
+w = q d + m) is the same thing with s = d and z = m + 8d (`minfer.quantization.gguf`).
+
+Group sizes: 32, 64 (the default), 128 or 256 (what the op supports). Every quantized layer's `in_features`
+must be a multiple of it, else loading stops with a ValueError that names the layer's width: SmolLM2-135M's
+hidden size 576 is 4.5 groups of 128, so `group_size=128` is refused for it (64 and 32 work). No silent
+fallback to another group size: the quality and the bytes per weight would not be what was asked for.
+
+Stored: `qweight uint8 [out, in/2]` in the op's packed layout (for `out % 64 == 0`: blocks of 64 rows, byte
+`[b, k, i]` = row 64b+i in the low nibble, row 64b+32+i in the high one) and `scales_and_zeros bfloat16
+[in/G, out, 2]`: 0.5 + 4/G bytes per weight.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minfer.config import INT4_GROUP_SIZES
+from minfer.quantization.base import QuantizedLinearMethod, store
+
+DEFAULT_GROUP_SIZE = 64
+
+
+def check_group_size(in_features: int, group_size: int, what: str = "a Linear") -> None:
+    """Raise ValueError unless `group_size` is supported and divides `in_features`."""
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {group_size!r}")
+    if in_features % group_size:
+        fits = [g for g in INT4_GROUP_SIZES if in_features % g == 0]
+        raise ValueError(f"int4 group_size={group_size} does not divide {what}'s input width {in_features} "
+                         f"({in_features} = {in_features / group_size:g} groups); use one of {fits or 'none'}"
+                         " (every quantized layer's width must be a whole number of groups)")
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`w [out, in]` -> (codes uint8 [out, in] in 0..15, scale bf16 [out, in/G], zero bf16 [out, in/G]).
+
+    The scale and zero are rounded to bfloat16 before the codes are computed, so the codes are the best for
+    the parameters actually stored. Raises ValueError for a group size that does not divide `in`."""
+    out, k = w.shape
+    check_group_size(k, group_size)
+    wg = w.float().reshape(out, k // group_size, group_size)
+    lo, hi = wg.amin(-1), wg.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-8).to(torch.bfloat16)
+    zero = (lo + 8 * scale.float()).to(torch.bfloat16)
+    q = torch.round((wg - zero.float()[..., None]) / scale.float()[..., None]) + 8
+    return q.clamp_(0, 15).to(torch.uint8).reshape(out, k), scale, zero
+
+
+def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(codes [out, in] in 0..15, scale [out, in/G], zero [out, in/G]) -> `[out, in]` in `dtype`."""
+    out, k = codes.shape
+    groups = scale.shape[1]
+    q = codes.reshape(out, groups, k // groups).to(dtype) - 8
+    return (q * scale.to(dtype)[..., None] + zero.to(dtype)[..., None]).reshape(out, k)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """codes uint8 [out, in] -> the packed `uint8 [out, in/2]` of `_convert_weight_to_int4pack_for_cpu`."""
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_int4` for `out % 64 == 0` (the layout in the module docstring): `[out, in]` codes."""
+    out, half = packed.shape
+    b = packed.view(out // 64, 2 * half, 32)  # [blocks, in, 32 bytes]
+    q = torch.cat([b & 15, b >> 4], dim=-1)  # [blocks, in, 64 rows]
+    return q.permute(0, 2, 1).reshape(out, 2 * half)
+
+
+class Int4LinearMethod(QuantizedLinearMethod):
+    """Group-wise asymmetric INT4 RTN (module docstring).
+
+    Args:
+        group_size: inputs per scale/zero pair (32, 64, 128, 256). Other args: `QuantizedLinearMethod`.
+    Raises:
+        ValueError: an unsupported group size (here), or one that does not divide a layer (when loading).
+    """
+
+    name = "int4"
+
+    def __init__(self, group_size: int = DEFAULT_GROUP_SIZE, **kwargs):
+        super().__init__(**kwargs)
+        check_group_size(group_size, group_size)
+        self.group_size = group_size
+
+    def quantize(self, layer, w: torch.Tensor) -> None:
+        out, k = w.shape
+        check_group_size(k, self.group_size, f"a {out}x{k} Linear")
+        codes, scale, zero = quantize_int4(w, self.group_size)
+        self.store(layer, codes, scale, zero)
+
+    def store(self, layer, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
+        """Keep (codes [out, in], scale/zero bf16 [out, in/G]) on `layer` in the op's layout."""
+        out = codes.shape[0]
+        layer.group_size = codes.shape[1] // scale.shape[1]
+        store(layer, "scales_and_zeros", torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous())
+        layer.int4_packed = out % 64 == 0  # the op's layout is read back by unpack_int4 only for these
+        layer.int4_kernel = out % 16 == 0 and codes.device.type == "cpu"  # the op needs out % 16 == 0
+        if layer.int4_packed:
+            store(layer, "qweight", pack_int4(codes))
+        else:  # own nibble layout for the dequantize route, and the op's copy where the op runs
+            store(layer, "qweight", (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous())
+            store(layer, "qweight_op", pack_int4(codes) if layer.int4_kernel else None)
+
+    def codes(self, layer) -> torch.Tensor:
+        if layer.int4_packed:
+            return unpack_int4(layer.qweight)
+        q = layer.qweight
+        return torch.stack([q & 15, q >> 4], dim=-1).reshape(q.shape[0], -1)
+
+    def dequantize(self, layer, dtype: torch.dtype) -> torch.Tensor:
+        sz = layer.scales_and_zeros.transpose(0, 1)  # [out, in/G, 2]
+        return dequantize_int4(self.codes(layer), sz[..., 0], sz[..., 1], dtype)
+
+    def kernel(self, layer, x2: torch.Tensor) -> torch.Tensor:
+        if not layer.int4_kernel:
+            return x2 @ self.dequantize(layer, x2.dtype).t()
+        packed = layer.qweight if layer.int4_packed else layer.qweight_op
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16).contiguous(), packed,
+                                                         layer.group_size, layer.scales_and_zeros)

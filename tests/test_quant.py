@@ -1,0 +1,242 @@
+"""Weight quantization (minfer/quantization/): round-trip bounds, each route against a plain-torch
+dequantize-then-matmul reference on odd shapes, GGUF Q4 blocks against gguf's own dequantization, the
+configuration errors, and the engine's greedy tokens against the simple path with the same method."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minfer.model.layers import Linear
+from minfer.model.linear_method import UnquantizedLinearMethod
+from minfer.quantization import get_quantization_method, parse_quantization_config
+from minfer.quantization.int4 import Int4LinearMethod, dequantize_int4, pack_int4, quantize_int4, unpack_int4
+from minfer.quantization.int8 import Int8LinearMethod, dequantize_int8, quantize_int8
+from tests.conftest import needs_default_model
+
+
+def make_linear(method, out, k, bias=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out, k, generator=g) * 0.05
+    w[0, :7] *= 40  # an outlier row: its scale must not leak into the other rows
+    layer = Linear(k, out, bias=bias, method=method)
+    layer.weight.data.copy_(w)
+    if bias:
+        layer.bias.data.copy_(torch.randn(out, generator=g))
+    layer.process_weights_after_loading()
+    return layer, w
+
+
+def test_int8_round_trip_bound():
+    w = torch.randn(37, 53) * torch.logspace(-3, 1, 37)[:, None]  # rows of very different scales
+    q, s = quantize_int8(w)
+    err = (dequantize_int8(q, s) - w).abs()
+    assert q.dtype == torch.int8 and s.dtype == torch.bfloat16
+    assert bool((err <= s.float()[:, None] / 2 * (1 + 1e-6)).all())
+    assert bool((s.float() >= w.abs().amax(1) / 127).all())  # rounded up: no code is clamped
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int4_round_trip_bound(group_size):
+    w = torch.randn(24, 256) * 0.1
+    codes, s, z = quantize_int4(w, group_size)
+    assert int(codes.max()) <= 15 and codes.dtype == torch.uint8
+    err = (dequantize_int4(codes, s, z) - w).abs().reshape(24, -1, group_size)
+    # s/2 from rounding, plus what bfloat16's rounding of the zero moves the group's grid by
+    bound = s.float() / 2 + z.float().abs() * 2 ** -8 + 1e-7
+    assert bool((err <= bound[..., None]).all())
+
+
+@pytest.mark.parametrize("out,k", [(64, 96), (960, 576), (128, 32)])
+def test_int4_pack_unpack_is_the_ops_layout(out, k):
+    codes = torch.randint(0, 16, (out, k), dtype=torch.uint8)
+    assert torch.equal(unpack_int4(pack_int4(codes)), codes)
+
+
+def reference(x, w_hat):
+    """What both routes compute: bfloat16 activations, float32 sums, a bfloat16 result."""
+    return F.linear(x.to(torch.bfloat16).float(), w_hat).to(torch.bfloat16).float()
+
+
+@pytest.mark.parametrize("method", ["int8", "int4-32", "int4-64"])
+@pytest.mark.parametrize("out,k", [(48, 192), (80, 320), (960, 576), (17, 128)])
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_routes_match_dequantize_then_matmul(method, out, k, rows):
+    m = Int8LinearMethod() if method == "int8" else Int4LinearMethod(int(method.split("-")[1]))
+    layer, w = make_linear(m, out, k, bias=True)
+    x = torch.randn(2, rows, k, generator=torch.Generator().manual_seed(rows))
+    y = layer(x)
+    assert y.shape == (2, rows, out) and y.dtype == torch.float32
+    ref = reference(x.reshape(-1, k), m.dequantize(layer, torch.float32)).view(2, rows, out) + layer.bias
+    scale = ref.abs().max()
+    assert float((y - ref).abs().max()) <= 1e-2 * float(scale)  # bf16 output: ~2^-8 relative
+    # and the quantized product is off the float one by at most what the weight error can do (Cauchy-Schwarz:
+    # |x . (w_n - w_hat_n)| <= |x| |w_n - w_hat_n|), plus the bfloat16 roundings of x and y
+    full = F.linear(x, w) + layer.bias
+    w_err = (m.dequantize(layer, torch.float32) - w).norm(dim=1)  # [out]
+    bound = x.norm(dim=-1, keepdim=True) * (w_err + w.norm(dim=1) * 2 ** -8) + full.abs() * 2 ** -7 + 1e-4
+    assert bool(((y - full).abs() <= bound).all())
+
+
+def test_quantized_layer_keeps_no_float_weight():
+    layer, _ = make_linear(Int4LinearMethod(32), 64, 128)
+    assert not hasattr(layer, "weight") or layer.weight is None
+    nbytes = sum(b.numel() * b.element_size() for b in layer.buffers())
+    assert nbytes == 64 * 128 // 2 + (128 // 32) * 64 * 2 * 2  # 0.5 B/weight + bf16 scale and zero per group
+
+
+def test_tied_head_stays_float():
+    m = Int8LinearMethod(fallback=UnquantizedLinearMethod())
+    head = Linear(32, 100, method=m)
+    head.keep_rows = True
+    head.weight.data.normal_()
+    w = head.weight.data.clone()
+    head.process_weights_after_loading()
+    assert torch.equal(head.weight_rows(torch.tensor([3, 5])), w[[3, 5]])
+
+
+def test_group_size_that_does_not_divide_is_refused_with_the_width():
+    with pytest.raises(ValueError, match=r"does not divide .* 576 .*use one of \[32, 64\]"):
+        make_linear(Int4LinearMethod(128), 64, 576)
+
+
+@pytest.mark.parametrize("q,cfg,match", [
+    ("int5", None, "unknown quantization method 'int5'"),
+    ("awq", None, "not built"),
+    ("int4", {"group_size": 48}, "group_size must be one of"),
+    ("int4", {"group_size": "64"}, "group_size must be one of"),
+    ("int4", {"bits": 4}, "unknown key"),
+    ("int8", {"group_size": 64}, "unknown key"),
+    ("int4", "{group_size: 64}", "not valid JSON"),
+    ("int4", "[64]", "must be a JSON object"),
+    (None, {"group_size": 64}, "without a quantization method"),
+])
+def test_bad_quantization_arguments(q, cfg, match):
+    with pytest.raises(ValueError, match=match):
+        parse_quantization_config(q, cfg)
+
+
+def test_engine_args_refuse_bad_quantization_before_loading():
+    from minfer.config import EngineArgs
+
+    with pytest.raises(ValueError, match="unknown quantization method"):
+        EngineArgs(quantization="int3")
+    assert EngineArgs(quantization="int4", quantization_config='{"group_size": 32}').quantization_config == {"group_size": 32}
+
+
+def test_server_flags_reach_engine_args():
+    from minfer.serve.__main__ import build_parser, engine_args_from
+
+    args = engine_args_from(build_parser().parse_args(["--quantization", "int4", "--quantization-config",
+                                                       '{"group_size": 64}']))
+    assert args.quantization == "int4" and args.quantization_config == {"group_size": 64}
+
+
+def test_get_method_names():
+    fb = UnquantizedLinearMethod()
+    assert get_quantization_method("int8", None, fb).name == "int8"
+    m = get_quantization_method("int4", {"group_size": 32}, fb)
+    assert m.name == "int4" and m.group_size == 32 and m.fallback is fb
+
+
+# -- the GGUF file's own blocks -------------------------------------------------------------------------
+
+@needs_default_model
+def test_gguf_q4_1_blocks_map_onto_the_int4_op():
+    from gguf.quants import dequantize
+
+    from minfer.model.gguf import iter_gguf_blocks, open_gguf
+    from minfer.model.sources import resolve_model
+    from minfer.quantization.gguf import decode_q4_blocks
+
+    reader = open_gguf(resolve_model("smollm2-135m-instruct").path)
+    b = next(b for b in iter_gguf_blocks(reader) if b.tensor_type.name == "Q4_1")
+    ref = torch.from_numpy(np.array(dequantize(b.data, b.tensor_type), dtype=np.float32))
+    raw = torch.from_numpy(np.array(b.data, dtype=np.uint8)).reshape(b.shape[0], -1)
+    codes, d, z = decode_q4_blocks(raw, "Q4_1")
+    exact = dequantize_int4(codes, d, z)  # s = d, z = m + 8d in float32: gguf's numbers
+    assert float((exact - ref).abs().max()) <= 1e-6 * float(ref.abs().max())
+    # in bfloat16, as the op stores them: off by the rounding of d and m + 8d only
+    approx = dequantize_int4(codes, d.bfloat16(), z.bfloat16())
+    bound = (8 * d.abs() + z.abs()) * 2 ** -8
+    err = (approx - ref).abs().reshape(codes.shape[0], -1, 32)
+    assert bool((err <= bound[..., None] + 1e-7).all())
+
+
+# -- the engine against the simple path, same method ----------------------------------------------------
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,", "Once upon a time, a small robot"]
+
+
+# Nats between the simple path's two best tokens below which a bfloat16 step can flip them: one bfloat16 step
+# of a logit between 16 and 32 is 2^-3 = 0.125 (8 significant bits). The flip measured below had 0.051.
+NEAR_TIE = 0.125
+
+
+def assert_same_until_a_near_tie(engine_out, simple_out, what):
+    """Tokens equal, or equal up to a step where the simple path's top two log-probs were within NEAR_TIE
+    and the engine took the runner-up (then the continuations differ and are not compared)."""
+    a, b = engine_out.token_ids, simple_out.token_ids
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            top = simple_out.logprobs[i]
+            best, second = sorted(top.values(), key=lambda v: -v)[:2]
+            assert x in top and best - second < NEAR_TIE, (f"{what}: token {i} differs ({x} vs {y}) with a "
+                                                            f"margin of {best - second:.3f} nats")
+            return i
+    assert len(a) == len(b), what
+    return None
+
+
+@needs_default_model
+@pytest.mark.parametrize("quantization,config", [("int8", None), ("gguf", None), ("int4", {"group_size": 32})])
+def test_engine_greedy_equals_simple_path(quantization, config):
+    from minfer import LLM, SamplingParams
+
+    # A pool of 6 blocks of 16 tokens for 4 sequences of ~32 tokens (2 blocks each): some are preempted, by
+    # swap. Quantized products round activations and outputs to bfloat16 (chapter 5 §5.3), which turns a
+    # last-bit difference upstream (the attention kernel, the float head's two layouts) into a whole
+    # bfloat16 step now and then: measured, 'def fibonacci(n):' flips at token 13, where the two best tokens
+    # are 0.051 nats apart, in some runs and not others. So the check is: identical tokens,
+    # or identical up to such a measured near-tie. (Recompute, which re-runs decoded tokens as a prefill
+    # through the other route, gives more such flips; chapter 5 says so.)
+    llm = LLM(quantization=quantization, quantization_config=config, max_model_len=64, block_size=16,
+              kv_cache_memory_bytes=6 * 16 * 30 * 2 * 3 * 64 * 4, seed=0, preemption_mode="swap", swap_space=0.05)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    outs = llm.generate(PROMPTS, sp)
+    flips = 0
+    for p, o in zip(PROMPTS, outs):
+        simple, _ = llm.generate_simple(p, sp)
+        flips += assert_same_until_a_near_tie(o.outputs[0], simple.outputs[0], p) is not None
+    assert flips <= 1
+    stats = llm.stats()
+    assert stats.num_preemptions > 0  # the batched run really was preempted
+    layer = llm.llm_engine.worker.model.model.layers[0].mlp.gate_up_proj
+    assert layer.quantized and not hasattr(layer, "weight")
+
+
+@needs_default_model
+def test_gguf_needs_a_gguf_model(tmp_path):
+    from minfer.model.loader import load_model
+    from minfer.model.sources import ModelSource
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="quantization='gguf' runs a .gguf file"):
+        load_model(source=ModelSource(kind="hf", path=tmp_path, name="x"), quantization="gguf")
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--quantization", "int4", "--quantization-config", '{"group_size": 48}'], "group_size must be one of"),
+    (["--quantization", "int9"], "unknown quantization method"),
+])
+def test_server_refuses_bad_quantization_before_loading(flags, needle):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-m", "minfer.serve", *flags], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and needle in r.stderr, r.stderr
