@@ -48,6 +48,8 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: "RequestMetrics | None" = None
+    # vLLM's prompt_logprobs: per prompt token, {token id: logprob, top alternatives...}; the first is None.
+    prompt_logprobs: "list[dict[int, float] | None] | None" = None
 
 
 @dataclass
