@@ -229,3 +229,50 @@ def _as_float(value) -> float | None:
         except OverflowError:
             return None
     return None
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search options (vLLM's `BeamSearchParams`; scores as Hugging Face transformers' beam search).
+
+    Args:
+        beam_width: beams kept per prompt, and sequences returned (1..MAX_N).
+        max_tokens: most new tokens per beam (>= 1).
+        ignore_eos: EOS does not end a beam (every beam runs to max_tokens).
+        temperature: 0 (default) scores with the model's log-probabilities; a value > 0 divides the logits
+            by it before the log_softmax. Beam search stays deterministic either way.
+        length_penalty: a finished beam's score is sum(logprobs) / len ** length_penalty, len counting its
+            generated tokens (EOS included), as in transformers; > 0 favours longer outputs.
+        early_stopping: transformers' rule: False (its default heuristic), True (stop as soon as beam_width
+            beams finished) or "never".
+        include_stop_str_in_output: kept for vLLM's signature; beams end on EOS ids only.
+
+    Raises:
+        ValueError: a field outside its range (the message names it).
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        w = _as_int(self.beam_width)
+        if w is None or not 1 <= w <= MAX_N:
+            raise ValueError(f"BeamSearchParams.beam_width must be an integer in [1, {MAX_N}], got {self.beam_width!r}")
+        m = _as_int(self.max_tokens)
+        if m is None or m < 1:
+            raise ValueError(f"BeamSearchParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        t = _as_float(self.temperature)
+        if t is None or not 0 <= t < float("inf"):
+            raise ValueError(f"BeamSearchParams.temperature must be a finite number >= 0, got {self.temperature!r}")
+        lp = _as_float(self.length_penalty)
+        if lp is None or lp != lp or abs(lp) == float("inf"):
+            raise ValueError(f"BeamSearchParams.length_penalty must be a finite number, got {self.length_penalty!r}")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError("BeamSearchParams.early_stopping must be True, False or 'never', "
+                             f"got {self.early_stopping!r}")
+        self.beam_width, self.max_tokens, self.temperature, self.length_penalty = w, m, t, lp
