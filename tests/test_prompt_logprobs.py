@@ -57,3 +57,60 @@ def test_chunked_and_prefix_cached(hf_oracle):
     assert outs[1].num_cached_tokens > 0 and outs[0].num_cached_tokens == 0
     assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
     assert llm.stats().num_free_blocks == llm.stats().num_total_blocks
+
+
+# -- the server: scoring as lm-evaluation-harness sends it, and the sampling controls' fields -------------
+@pytest.fixture(scope="module")
+def server():
+    from .serving import running_server
+
+    with running_server(["--max-model-len", "512", "--disable-log-requests", "--uvicorn-log-level", "warning"],
+                        fake_engine_args=["smollm2-135m-instruct", "512"]) as url:
+        yield url
+
+
+@needs_default_model
+def test_echo_scoring_returns_prompt_logprobs(server, llm):
+    import httpx
+
+    body = {"model": "smollm2-135m-instruct", "prompt": PROMPT, "echo": True, "logprobs": 2, "max_tokens": 0,
+            "temperature": 0}
+    r = httpx.post(server + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["text"] == PROMPT and r.json()["usage"]["completion_tokens"] == 0
+    lp = choice["logprobs"]
+    ids = llm.get_tokenizer().encode(PROMPT)
+    ref = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))[0].prompt_logprobs
+    assert len(lp["tokens"]) == len(ids) and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert "".join(lp["tokens"]) == PROMPT and lp["text_offset"][0] == 0
+    for i in range(1, len(ids)):
+        assert lp["token_logprobs"][i] == pytest.approx(ref[i][ids[i]], abs=1e-4)
+        assert 2 <= len(lp["top_logprobs"][i]) <= 3
+    # echo with generation: the prompt's logprobs, then the completion's
+    body.update(max_tokens=3)
+    choice = httpx.post(server + "/v1/completions", json=body, timeout=120).json()["choices"][0]
+    assert choice["text"].startswith(PROMPT) and len(choice["logprobs"]["tokens"]) == len(ids) + 3
+    assert choice["logprobs"]["text_offset"][len(ids)] == len(PROMPT)
+
+
+@needs_default_model
+def test_server_sampling_controls(server):
+    import httpx
+
+    url = server + "/v1/completions"
+    base = {"model": "smollm2-135m-instruct", "prompt": "red, red, red, red,", "max_tokens": 8, "temperature": 0}
+    plain = httpx.post(url, json=base, timeout=120).json()["choices"][0]["text"]
+    pen = httpx.post(url, json={**base, "presence_penalty": 1.5, "frequency_penalty": 1.0,
+                                "repetition_penalty": 1.3}, timeout=120).json()["choices"][0]["text"]
+    assert pen != plain
+    r = httpx.post(url, json={**base, "min_tokens": 8, "logit_bias": {"2": 100}}, timeout=120)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+    for field, value in [("presence_penalty", 5), ("frequency_penalty", "x"), ("repetition_penalty", 0),
+                         ("min_tokens", 100), ("logit_bias", {"a": 1}), ("logit_bias", {"1": 1000})]:
+        r = httpx.post(url, json={**base, field: value}, timeout=60)
+        assert r.status_code == 400, (field, r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["param"] == field, err
+    r = httpx.post(url, json={**base, "max_tokens": 0}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
