@@ -56,8 +56,8 @@ class BeamSearchRunner:
     """Runs beam search for a group of prompts over the engine's block manager and executor.
 
     Args:
-        block_manager: the engine's `BlockManager` (its blocks must be free of other requests' use in the
-            meantime only in the sense that no other sequence is scheduled; cached prefixes are shared).
+        block_manager: the engine's `BlockManager`. No other sequence may be scheduled while a search runs
+            (the runner steps the executor itself); cached prefixes are shared with later requests.
         executor: has `compute_logits(ScheduledBatch) -> (rows, float32 [rows, V] logits)`.
         max_model_len: the length limit; eos_token_ids: the ids that end a beam.
     """
@@ -124,6 +124,7 @@ class BeamSearchRunner:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             self.bm.register_computed_blocks(seq)
+        # Kept for `select`, which reads each search's rows of this step's logits.
         row_of = {batch.seqs[j].seq_id: k for k, j in enumerate(rows)}
         self._logits = (logits, row_of)
 
