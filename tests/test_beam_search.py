@@ -59,6 +59,7 @@ def _prompts(tok):
             tok.encode("The capital of France is")]
 
 
+@pytest.mark.slow
 @needs_default_model
 @pytest.mark.parametrize("width,length_penalty", [(2, 1.0), (4, 1.0), (4, 0.5)])
 def test_beams_and_scores_equal_transformers(llm, hf_oracle, width, length_penalty):
@@ -85,6 +86,7 @@ def test_beams_and_scores_equal_transformers(llm, hf_oracle, width, length_penal
     assert any(b.finish_reason == "stop" for b in outs[0].sequences)
 
 
+@pytest.mark.slow
 @needs_default_model
 def test_prefix_caching_gives_identical_beams_and_frees_every_block(llm):
     from minfer import LLM

@@ -43,6 +43,7 @@ def test_prompt_logprobs_equal_transformers(llm, hf_oracle, k):
     assert plain.prompt_logprobs is None
 
 
+@pytest.mark.slow
 @needs_default_model
 def test_chunked_and_prefix_cached(hf_oracle):
     from minfer import LLM
