@@ -1,6 +1,6 @@
 """minfer: a readable, tested LLM inference engine that is also a course.
 
-The public surface is vLLM's offline API: `LLM`, `SamplingParams`, `RequestOutput`.
+The public surface is vLLM's offline API: `LLM`, `SamplingParams`, `BeamSearchParams`, `RequestOutput`.
 """
 
 import os
@@ -38,8 +38,8 @@ if "TRITON_INTERPRET" not in os.environ:
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
 
-from minfer.outputs import CompletionOutput, RequestOutput
-from minfer.sampling_params import SamplingParams
+from minfer.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
+from minfer.sampling_params import BeamSearchParams, SamplingParams
 
 __version__ = "0.1.0"
 
@@ -57,4 +57,5 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput",
+           "BeamSearchOutput", "BeamSearchSequence"]

@@ -122,8 +122,8 @@ class BlockManager:
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest cached chain that prefixes `seq` (never the whole sequence: the last
         token must still be computed to have logits to sample from)."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return []  # prompt_logprobs need the logits of every prompt position: compute them all
         hits = []
         for h, toks in self._prompt_hashes(seq):
             bid = self.cached.get(h)
@@ -230,6 +230,38 @@ class BlockManager:
             self._release(bid)
         del seq.block_table[keep:]
         return len(tail)
+
+    # -- forking (beam search) ------------------------------------------------------------------------
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give `child` the parent's blocks (beam search: a beam's continuations share its KV). Every block
+        gains one reference; nothing is copied until a child writes into a shared block
+        (`copy_on_write`). `child` must hold no blocks yet."""
+        assert not child.block_table, "fork into a sequence that already holds blocks"
+        for bid in parent.block_table:
+            self.blocks[bid].ref_count += 1
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+
+    def copy_on_write(self, seq: Sequence, position: int) -> tuple[int, int] | None:
+        """Make the block that holds token `position` of `seq` its own before the next forward writes there.
+
+        A block shared with another sequence (reference count > 1, after a `fork`) is replaced in the block
+        table by a fresh one; returns (source block, new block): the worker copies the source's K/V into
+        the new block before the forward writes (vLLM's `blocks_to_copy`). Returns None when the block is
+        already the sequence's alone. Only the last, partial block of a forked sequence is ever written, so
+        this copies at most one block per beam per step.
+
+        Raises:
+            NoFreeBlocksError: no free block for the copy.
+        """
+        i = position // self.block_size
+        bid = seq.block_table[i]
+        if self.blocks[bid].ref_count <= 1:
+            return None
+        new = self._take_free()
+        self._release(bid)
+        seq.block_table[i] = new
+        return bid, new
 
     # -- swapping (article §8-1) ----------------------------------------------------------------------
     def can_swap_out(self, seq: Sequence) -> bool:

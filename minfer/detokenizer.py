@@ -49,7 +49,7 @@ class OutputProcessor:
         if st.matcher is None or not new:
             return
         st.state, hit = st.matcher.advance(st.state, new, len(seq.text) - len(new))
-        if hit is not None:
+        if hit is not None and len(seq.output_token_ids) >= seq.params.min_tokens:  # vLLM: none before min_tokens
             start, stop = hit
             seq.text = seq.text[:start + (len(stop) if seq.params.include_stop_str_in_output else 0)]
             seq.finish_reason, seq.stop_reason = "stop", stop

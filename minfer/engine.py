@@ -94,7 +94,7 @@ class _Request:
     def output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, self.prompt_ids, [s.to_output() for s in self.seqs],
                              finished=self.finished, num_cached_tokens=self.seqs[0].num_cached_tokens,
-                             metrics=self.metrics)
+                             metrics=self.metrics, prompt_logprobs=self.seqs[0].prompt_logprobs)
 
 
 class LLMEngine:

@@ -1,7 +1,7 @@
 """The executor (vLLM's `executor/`): what runs the workers. The engine talks only to it.
 
 `UniProcExecutor` holds one `Worker` in this process, the only kind minfer has today. A multiprocess
-executor for tensor and pipeline parallelism (chapter 6) keeps the same four calls and fans each out to one
+executor for tensor and pipeline parallelism (chapter 6) keeps the same calls and fans each out to one
 worker per rank over torch.distributed.
 """
 
@@ -31,6 +31,10 @@ class UniProcExecutor:
     def execute_model(self, batch: "ScheduledBatch"):
         """One step's forward and sampling; see `Worker.execute_model`."""
         return self.driver_worker.execute_model(batch)
+
+    def compute_logits(self, batch: "ScheduledBatch"):
+        """One step's forward without sampling; see `Worker.compute_logits`."""
+        return self.driver_worker.compute_logits(batch)
 
     def release(self, seq_ids: list[int]) -> None:
         self.driver_worker.release(seq_ids)

@@ -102,3 +102,14 @@ class KVCachePool:
         dst = torch.tensor([m[1] for m in mapping], device=self.layers[0].device)
         for dev, cpu in zip(self.layers, self.cpu_layers):
             dev[:, dst] = cpu[:, src].to(dev.device)
+
+    def copy_blocks(self, mapping: list[tuple[int, int]]) -> None:
+        """Copy device blocks to other device blocks: mapping of (source block, destination block). Used for
+        the copy-on-write of a block shared by forked sequences (beam search)."""
+        if not mapping:
+            return
+        dev = self.layers[0].device
+        src = torch.tensor([m[0] for m in mapping], device=dev)
+        dst = torch.tensor([m[1] for m in mapping], device=dev)
+        for layer in self.layers:
+            layer[:, dst] = layer[:, src]

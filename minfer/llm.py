@@ -17,13 +17,14 @@ from dataclasses import fields
 
 from tqdm.auto import tqdm
 
+from minfer.beam_search import BeamSearchRunner, beam_search
 from minfer.config import DEFAULT_MODEL, EngineArgs
 from minfer.detokenizer import OutputProcessor
 from minfer.engine import LLMEngine
 from minfer.generate import GenerationTimings, SimpleGenerator
-from minfer.outputs import RequestOutput
+from minfer.outputs import BeamSearchOutput, RequestOutput
 from minfer.sampling import Sampler
-from minfer.sampling_params import SamplingParams
+from minfer.sampling_params import BeamSearchParams, SamplingParams
 from minfer.sequence import Sequence, validate_prompt
 
 
@@ -70,13 +71,7 @@ class LLM:
             ValueError: a bad prompt (too long, empty, ...) — raised before anything is queued.
             TypeError: `prompts` is none of the forms above.
         """
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
-                                               and isinstance(prompts[0], numbers.Integral)):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise TypeError("prompts must be a string, a list of token ids, a dict with 'prompt' or "
-                            f"'prompt_token_ids', or a list of these; got {type(prompts).__name__}")
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
@@ -99,6 +94,48 @@ class LLM:
         finally:
             bar.close()
         return [results[i] for i in ids]
+
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search (vLLM's `LLM.beam_search`, scores as transformers' `generate(num_beams=...)`): for each
+        prompt (the forms `generate` takes) its `beam_width` best beams, best score first.
+
+        The beams share their prompt's and common prefix's KV blocks (`minfer.beam_search`). Prompts run
+        together in groups that fit in the KV pool at the worst case (no two beams sharing a generated block).
+
+        Raises:
+            TypeError: `params` is not a BeamSearchParams, or a prompt of the wrong type.
+            ValueError: a bad or too long prompt, or one whose beams could never fit in the KV pool.
+            RuntimeError: the engine is serving other requests (beam search steps the executor itself).
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        engine = self.llm_engine
+        if engine.has_unfinished_requests():
+            raise RuntimeError("beam_search needs an idle engine; finish or abort the running requests first")
+        ids = []
+        check = SamplingParams(max_tokens=params.max_tokens)
+        for p in _prompt_list(prompts):
+            ids.append(engine.tokenize_prompt(p)[1])
+            validate_prompt(ids[-1], check, engine.max_model_len, engine.model_config.vocab_size)
+        runner = BeamSearchRunner(engine.block_manager, engine.executor, engine.max_model_len,
+                                  engine.tokenizer.eos_token_ids)
+        free = engine.block_manager.num_free_blocks
+        groups, need = [[]], 0
+        for p in ids:
+            n = runner.blocks_needed(len(p), params)
+            if n > free:
+                raise ValueError(f"beam search of a {len(p)}-token prompt with beam_width={params.beam_width} and "
+                                 f"max_tokens={params.max_tokens} may need {n} KV blocks; the pool has {free}. "
+                                 "Lower beam_width or max_tokens, or enlarge the pool (kv_cache_memory_bytes).")
+            if need + n > free:
+                groups.append([])
+                need = 0
+            groups[-1].append(p)
+            need += n
+        outs = []
+        for group in tqdm(groups, desc="Beam search", disable=not use_tqdm):
+            outs.extend(beam_search(runner, group, params, self.tokenizer.decode))
+        return outs
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (list of {"role", "content"}) or a list of them.
@@ -137,3 +174,18 @@ class LLM:
             outs.append(seq.to_output())
         out = RequestOutput("simple", text, ids, outs, finished=True)
         return out, timings[0]  # the first completion's timings
+
+
+def _prompt_list(prompts) -> list:
+    """One prompt or a list of them (strings, token-id lists, vLLM's prompt dicts) as a list.
+
+    Raises:
+        TypeError: `prompts` is none of these forms.
+    """
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                           and isinstance(prompts[0], numbers.Integral)):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError("prompts must be a string, a list of token ids, a dict with 'prompt' or "
+                        f"'prompt_token_ids', or a list of these; got {type(prompts).__name__}")
+    return list(prompts)

@@ -48,6 +48,8 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: "RequestMetrics | None" = None
+    # vLLM's prompt_logprobs: per prompt token, {token id: logprob, top alternatives...}; the first is None.
+    prompt_logprobs: "list[dict[int, float] | None] | None" = None
 
 
 @dataclass
@@ -88,3 +90,32 @@ class RequestMetrics:
         if self.finished_time is None:
             return None
         return self.finished_time - self.arrival_time
+
+
+@dataclass
+class BeamSearchSequence:
+    """One returned beam (vLLM's `BeamSearchSequence`).
+
+    Attributes:
+        tokens: prompt + generated token ids. output_token_ids: the generated ones (EOS included if it ended
+            the beam). logprobs: per generated token, its log-probability (after temperature).
+        cum_logprob: their sum. score: cum_logprob / len(output_token_ids) ** length_penalty (transformers'
+            `sequences_scores`); beams are returned best score first.
+        text: the generated text. finish_reason: "stop" (EOS) or "length".
+    """
+
+    tokens: list[int]
+    output_token_ids: list[int]
+    logprobs: list[float]
+    cum_logprob: float
+    score: float
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """The beams of one prompt, best first (vLLM's `BeamSearchOutput`)."""
+
+    sequences: list[BeamSearchSequence]

@@ -1,4 +1,5 @@
-"""From logits to the next token (article §7, §13): temperature, top-k, top-p, min-p, seeded draws, logprobs.
+"""From logits to the next token (article §7, §13): logits processing (logit_bias, min_tokens, repetition,
+frequency and presence penalties), then temperature, top-k, top-p, min-p, seeded draws, logprobs.
 
 All rows of a batch are processed together with tensor ops; per-request settings become per-row tensors.
 The draw uses the "exponential race": argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with probability
@@ -45,6 +46,76 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(~keep, float("-inf"))
 
 
+def _padded(rows: list[list[int]], pad: int, device) -> torch.Tensor:
+    """int64 `[B, max len]` of the rows, padded with `pad` (at least one column, so scatter has a shape)."""
+    width = max(1, max(map(len, rows)))
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+
+
+def token_counts(rows: list[list[int]], vocab: int, device) -> torch.Tensor:
+    """How often each token id occurs in each row: int64 `[B, V]` (one scatter_add, no loop over tokens).
+    Padding goes to an extra column `vocab` that is dropped."""
+    ids = _padded(rows, vocab, device)
+    counts = torch.zeros(len(rows), vocab + 1, dtype=torch.long, device=device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids))
+    return counts[:, :vocab]
+
+
+def apply_penalties(logits: torch.Tensor, prompt_ids: list[list[int]], output_ids: list[list[int]],
+                    presence: torch.Tensor, frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
+    """The penalties of vLLM's sampler, all rows at once.
+
+    repetition (Keskar et al., 2019, CTRL; HF's `RepetitionPenaltyLogitsProcessor`): every token seen in
+    the prompt or the output has its logit divided by the penalty if positive, multiplied if negative.
+    frequency / presence (OpenAI's formula): `logit -= frequency * count + presence * (count > 0)`, counting
+    the output tokens only.
+
+    Args:
+        logits: float32 `[B, V]`. prompt_ids / output_ids: B lists of token ids.
+        presence, frequency: float32 `[B]` (0 = off). repetition: float32 `[B]` (1 = off).
+    Returns: new float32 `[B, V]` logits.
+    """
+    vocab, dev = logits.shape[-1], logits.device
+    out_counts = token_counts(output_ids, vocab, dev)
+    seen = (token_counts(prompt_ids, vocab, dev) + out_counts) > 0
+    rep = repetition.unsqueeze(1)
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    return logits - frequency.unsqueeze(1) * out_counts - presence.unsqueeze(1) * (out_counts > 0)
+
+
+def apply_logits_processors(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """logit_bias, min_tokens and the penalties of each row's SamplingParams (rows that need none are left
+    as they are). Returns new float32 `[B, V]` logits; `logits` itself is not changed.
+
+    min_tokens masks (to -inf) the row's stop token ids, EOS included unless `ignore_eos`, while the row
+    has fewer than min_tokens output tokens (vLLM's `MinTokensLogitsProcessor`).
+    """
+    params = [s.params for s in seqs]
+    dev, vocab = logits.device, logits.shape[-1]
+    if any(p.logit_bias for p in params):
+        rows, cols, vals = [], [], []
+        for i, p in enumerate(params):
+            for t, b in (p.logit_bias or {}).items():
+                rows.append(i), cols.append(t), vals.append(b)
+        logits = logits.index_put((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                                  torch.tensor(vals, dtype=logits.dtype, device=dev), accumulate=True)
+    stops = [sorted(t for t in s.stop_ids if t < vocab) if len(s.output_token_ids) < s.params.min_tokens else []
+             for s in seqs]
+    if any(stops):
+        rows = torch.tensor([i for i, st in enumerate(stops) for _ in st], device=dev, dtype=torch.long)
+        cols = torch.tensor([t for st in stops for t in st], device=dev, dtype=torch.long)
+        logits = logits.index_put((rows, cols), torch.tensor(float("-inf"), device=dev))
+    if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params):
+        logits = apply_penalties(
+            logits, [s.prompt_token_ids if s.params.repetition_penalty != 1.0 else [] for s in seqs],
+            [s.output_token_ids for s in seqs],
+            torch.tensor([p.presence_penalty for p in params], device=dev),
+            torch.tensor([p.frequency_penalty for p in params], device=dev),
+            torch.tensor([p.repetition_penalty for p in params], device=dev))
+    return logits
+
+
 def request_generator(params: SamplingParams, index: int, device) -> torch.Generator | None:
     """A private random stream for a seeded request; completion `index` of `n` gets its own stream."""
     if params.seed is None or params.greedy:
@@ -60,7 +131,8 @@ class Sampler:
     `generator` draws for unseeded requests; a seeded request draws from its own stream
     (`request_generator`), kept here by `seq_id` until `release` (so a `Sequence` stays plain data).
     Returns (tokens int64 `[B]`, chosen-token logprobs float32 `[B]`, per-row top-logprob dicts or None).
-    Logprobs are those of the model's raw distribution (before temperature/top-k/top-p), as in vLLM.
+    Logprobs are those of the model's raw distribution (before penalties, logit_bias, temperature, top-k,
+    top-p), as vLLM returns by default. Penalties, logit_bias and min_tokens change the greedy choice too.
     """
 
     def __init__(self, generator: torch.Generator | None = None):
@@ -85,10 +157,14 @@ class Sampler:
         b = logits.shape[0]
         params = [s.params for s in seqs]
         greedy = [p.greedy for p in params]
+        raw = logits
+        if any(p.needs_logits_processing for p in params):
+            logits = apply_logits_processors(logits, seqs)
         if all(greedy):
             tokens = logits.argmax(dim=-1)
         else:
             tokens = self._sample(logits, seqs, params, greedy)
+        logits = raw
         want_lp = [p.logprobs for p in params]
         if all(k is None for k in want_lp):
             return tokens, None, None
@@ -106,6 +182,7 @@ class Sampler:
         return tokens, chosen, tops
 
     def _sample(self, logits, seqs, params, greedy):
+        # `logits` are already processed (penalties, bias): greedy rows of a mixed batch take their argmax.
         device = logits.device
         temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], device=device)
         x = logits / temps.unsqueeze(1)

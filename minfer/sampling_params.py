@@ -46,6 +46,18 @@ class SamplingParams:
         logprobs: return the log-probabilities of this many top tokens per step (0..20, plus the chosen
             one); None returns none.
         include_stop_str_in_output: keep the matched stop string in the text.
+        presence_penalty: subtracted once from the logit of every token already generated (OpenAI/vLLM);
+            in [-2, 2]; > 0 favours new tokens.
+        frequency_penalty: subtracted from a token's logit once per time it was generated; in [-2, 2].
+        repetition_penalty: HF/CTRL's multiplicative penalty (Keskar et al., 2019) on every token of the
+            prompt and the output: a positive logit is divided by it, a negative one multiplied; > 0, 1 = off.
+        min_tokens: the stop token ids (and EOS unless `ignore_eos`) are masked, and stop strings not
+            checked, until this many tokens were generated; 0 <= min_tokens <= max_tokens.
+        logit_bias: {token id: bias} added to the logits before sampling (OpenAI's), biases in [-100, 100].
+        prompt_logprobs: return, for every prompt token after the first, the log-probability the model gave
+            it plus this many top alternatives (0..20), as vLLM's `RequestOutput.prompt_logprobs` (the first
+            entry is None). A request asking for them is not served from the prefix cache: every prompt
+            position must be computed to have logits.
 
     Numbers may be any `numbers.Integral` / `numbers.Real` but a bool (NumPy's scalars too); they are stored
     as plain Python ints and floats.
@@ -67,6 +79,12 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    prompt_logprobs: int | None = None
     # Filled in by the engine: the model's EOS ids (generation_config.json may list several).
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -100,6 +118,17 @@ class SamplingParams:
                                        optional=True)
         self.logprobs = self._number("logprobs", _as_int, lambda v: 0 <= v <= MAX_LOGPROBS,
                                      f"an integer in [0, {MAX_LOGPROBS}] or None", optional=True)
+        self.presence_penalty = self._number("presence_penalty", _as_float, lambda v: -2 <= v <= 2, "in [-2, 2]")
+        self.frequency_penalty = self._number("frequency_penalty", _as_float, lambda v: -2 <= v <= 2, "in [-2, 2]")
+        self.repetition_penalty = self._number("repetition_penalty", _as_float, lambda v: 0 < v < float("inf"),
+                                               "a finite number > 0 (1 means off)")
+        self.min_tokens = self._number("min_tokens", _as_int, lambda v: v >= 0, "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"SamplingParams.min_tokens ({self.min_tokens}) must be at most max_tokens "
+                             f"({self.max_tokens})")
+        self.prompt_logprobs = self._number("prompt_logprobs", _as_int, lambda v: 0 <= v <= MAX_LOGPROBS,
+                                            f"an integer in [0, {MAX_LOGPROBS}] or None", optional=True)
+        self._verify_logit_bias()
         self._verify_stop()
         ids = [_as_int(t) for t in self.stop_token_ids]
         if any(t is None or t < 0 for t in ids):
@@ -136,6 +165,30 @@ class SamplingParams:
             if len(s) > MAX_STOP_STRING_CHARS:
                 raise ValueError(f"SamplingParams.stop strings may be at most {MAX_STOP_STRING_CHARS} characters "
                                  f"each, got {len(s)} at stop[{i}]")
+
+    def _verify_logit_bias(self) -> None:
+        """`logit_bias` as {int token id >= 0: float bias in [-100, 100]} (JSON sends the ids as strings)."""
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"SamplingParams.logit_bias must be a dict {{token id: bias}}, got {self.logit_bias!r:.80}")
+        out = {}
+        for k, v in self.logit_bias.items():
+            tid = _as_int(k) if not isinstance(k, str) else (int(k) if k.strip().isdigit() else None)
+            bias = _as_float(v)
+            if tid is None or tid < 0:
+                raise ValueError(f"SamplingParams.logit_bias keys must be token ids (integers >= 0), got {k!r:.40}")
+            if bias is None or not -100 <= bias <= 100:
+                raise ValueError(f"SamplingParams.logit_bias values must be numbers in [-100, 100], got {v!r:.40} "
+                                 f"for token {tid}")
+            out[tid] = bias
+        self.logit_bias = out or None
+
+    @property
+    def needs_logits_processing(self) -> bool:
+        """True when the sampler must change the logits before choosing (penalties, min_tokens, logit_bias)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.min_tokens or self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -176,3 +229,50 @@ def _as_float(value) -> float | None:
         except OverflowError:
             return None
     return None
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search options (vLLM's `BeamSearchParams`; scores as Hugging Face transformers' beam search).
+
+    Args:
+        beam_width: beams kept per prompt, and sequences returned (1..MAX_N).
+        max_tokens: most new tokens per beam (>= 1).
+        ignore_eos: EOS does not end a beam (every beam runs to max_tokens).
+        temperature: 0 (default) scores with the model's log-probabilities; a value > 0 divides the logits
+            by it before the log_softmax. Beam search stays deterministic either way.
+        length_penalty: a finished beam's score is sum(logprobs) / len ** length_penalty, len counting its
+            generated tokens (EOS included), as in transformers; > 0 favours longer outputs.
+        early_stopping: transformers' rule: False (its default heuristic), True (stop as soon as beam_width
+            beams finished) or "never".
+        include_stop_str_in_output: kept for vLLM's signature; beams end on EOS ids only.
+
+    Raises:
+        ValueError: a field outside its range (the message names it).
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        w = _as_int(self.beam_width)
+        if w is None or not 1 <= w <= MAX_N:
+            raise ValueError(f"BeamSearchParams.beam_width must be an integer in [1, {MAX_N}], got {self.beam_width!r}")
+        m = _as_int(self.max_tokens)
+        if m is None or m < 1:
+            raise ValueError(f"BeamSearchParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        t = _as_float(self.temperature)
+        if t is None or not 0 <= t < float("inf"):
+            raise ValueError(f"BeamSearchParams.temperature must be a finite number >= 0, got {self.temperature!r}")
+        lp = _as_float(self.length_penalty)
+        if lp is None or lp != lp or abs(lp) == float("inf"):
+            raise ValueError(f"BeamSearchParams.length_penalty must be a finite number, got {self.length_penalty!r}")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError("BeamSearchParams.early_stopping must be True, False or 'never', "
+                             f"got {self.early_stopping!r}")
+        self.beam_width, self.max_tokens, self.temperature, self.length_penalty = w, m, t, lp

@@ -33,7 +33,8 @@ from minfer.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledBatch:
-    """One step's work: sequences with how many new tokens each computes, and block copies to do first.
+    """One step's work: sequences with how many new tokens each computes, and block copies to do first
+    (swaps, and the copy-on-write of blocks shared by forked beams).
 
     `seqs` are ordered prefill chunks first (num_new > 1), then decodes (num_new == 1). A sequence verifying
     k speculative drafts (`seq.spec_token_ids`) is a (k + 1)-token chunk: its last token and the drafts.
@@ -43,6 +44,7 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device blocks: copy-on-write
     num_preempted: int = 0
 
     @property

@@ -54,6 +54,10 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
+        # vLLM's prompt_logprobs: entry i is {prompt token i: its logprob, top alternatives...}; the first
+        # token has no context, so entry 0 is None. The worker fills it chunk by chunk as the prompt prefills.
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hash chain of the full, computed blocks (prefix caching)
@@ -128,6 +132,9 @@ def validate_prompt(prompt_token_ids: list[int], params: SamplingParams, max_mod
     bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}); got {bad[:5]}")
+    bad_bias = [t for t in (params.logit_bias or {}) if t >= vocab_size]
+    if bad_bias:
+        raise ValueError(f"logit_bias token ids must be in [0, {vocab_size}); got {bad_bias[:5]}")
     if n >= max_model_len:
         raise ValueError(
             f"the prompt has {n} tokens, but max_model_len is {max_model_len}: that leaves no room for output "

@@ -4,7 +4,8 @@ sampler, and the forward of each scheduled step.
     Worker(args)                  load the model (with the fused ops the backend wants)
     .profile_forward(n)           CUDA: measure the peak activation memory of an n-token forward
     .init_kv_cache(blocks, cpu)   allocate the paged pool and swap space; pick the attention backend
-    .execute_model(batch)         swap blocks, build one ForwardContext, run the model, sample
+    .execute_model(batch)         swap/copy blocks, build one ForwardContext, run the model, sample
+    .compute_logits(batch)        the same without sampling: the logits (beam search scores them itself)
     .release(seq_ids)             forget per-sequence state (seeded random streams) of retired sequences
 
 The scheduler and block manager stay with the engine (the driver): a worker receives a step's sequences
@@ -136,21 +137,56 @@ class Worker:
 
     @torch.inference_mode()
     def execute_model(self, batch: "ScheduledBatch"):
-        """Swap blocks, run the forward, sample. Returns (batch rows that sampled, tokens, chosen-token
+        """Swap and copy blocks, run the forward, sample. Returns (batch rows that sampled, tokens, chosen-token
         logprobs or None, per-row top-logprob dicts or None)."""
-        self.pool.swap_out(batch.swap_out)
-        self.pool.swap_in(batch.swap_in)
-        t0 = time.perf_counter()
-        input_ids, ctx, rows = self.prepare_inputs(batch)
-        self.build_time_s += time.perf_counter() - t0
-        hidden = self.model(input_ids, ctx)
+        rows, logits = self.compute_logits(batch)
         if not rows:
             return rows, None, None, None
-        logits = self.model.compute_logits(hidden[ctx.logits_indices])
         if any(batch.seqs[j].spec_token_ids for j in rows):
             return (rows, *self._verify(logits, [batch.seqs[j] for j in rows]))
         tokens, chosen, tops = self.sampler(logits, [batch.seqs[j] for j in rows])
         return rows, tokens.tolist(), (None if chosen is None else chosen.tolist()), tops
+
+    @torch.inference_mode()
+    def compute_logits(self, batch: "ScheduledBatch") -> tuple[list[int], torch.Tensor | None]:
+        """The forward without sampling: (batch rows whose prompt is complete, their next-token logits
+        float32 `[len(rows), V]`, or None when no row is). Beam search scores these itself.
+
+        Also fills `seq.prompt_logprobs` of the rows that asked for them (vLLM's prompt_logprobs), from the
+        hidden states of every prompt position this step computed."""
+        self.pool.swap_out(batch.swap_out)
+        self.pool.swap_in(batch.swap_in)
+        self.pool.copy_blocks(batch.copy)
+        t0 = time.perf_counter()
+        input_ids, ctx, rows = self.prepare_inputs(batch)
+        self.build_time_s += time.perf_counter() - t0
+        hidden = self.model(input_ids, ctx)
+        if any(s.prompt_logprobs is not None for s in batch.seqs):
+            self._prompt_logprobs(batch, hidden)
+        if not rows:
+            return rows, None
+        return rows, self.model.compute_logits(hidden[ctx.logits_indices]).float()
+
+    def _prompt_logprobs(self, batch: "ScheduledBatch", hidden: torch.Tensor) -> None:
+        """For each row that wants prompt logprobs, the logprob of prompt token p+1 given tokens 0..p, for the
+        prompt positions p of this step's chunk, plus the row's top-k alternatives (one log_softmax over the
+        chunk: `[positions, V]`). Entries are written at their index, so a prompt computed again after a
+        preemption (recompute) overwrites instead of appending twice."""
+        offset = 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start, k = seq.num_computed_tokens, seq.params.prompt_logprobs
+            m = min(n, seq.num_prompt_tokens - 1 - start)  # positions whose next token is a prompt token
+            if seq.prompt_logprobs is not None and m > 0:
+                logp = self.model.compute_logits(hidden[offset:offset + m]).float().log_softmax(dim=-1)
+                nxt = torch.tensor(seq.prompt_token_ids[start + 1:start + 1 + m], device=logp.device)
+                chosen = logp.gather(1, nxt.unsqueeze(1)).squeeze(1).tolist()
+                entries = [{t: c} for t, c in zip(nxt.tolist(), chosen)]
+                if k:
+                    vals, ids = logp.topk(k, dim=-1)
+                    entries = [{**dict(zip(i, v)), **e} for i, v, e in zip(ids.tolist(), vals.tolist(), entries)]
+                del seq.prompt_logprobs[start + 1:]
+                seq.prompt_logprobs.extend(entries)
+            offset += n
 
     def _verify(self, logits: torch.Tensor, seqs: list) -> tuple[list, list | None, list | None]:
         """A batch with speculating rows: ordinary rows go through the sampler, each speculating row through

@@ -12,7 +12,8 @@ from minfer.sampling import Sampler
 class TritonSampler(Sampler):
     """`Sampler` that draws with `fused_sample` (one Gumbel-max kernel, top-k/top-p as a torch pre-pass).
 
-    The kernel path is taken only for batches where no row wants logprobs or min_p and no row has its own
+    The kernel path is taken only for batches where no row wants logprobs, min_p, penalties, logit_bias or
+    min_tokens and no row has its own
     seed (a seeded request must keep the torch Sampler's stream to stay reproducible across backends and
     batches). All-greedy batches stay an exact argmax; greedy rows of a mixed batch get temperature 0,
     which the kernel turns into an exact argmax too. Random draws come from the engine generator (one seed
@@ -22,7 +23,8 @@ class TritonSampler(Sampler):
     def __call__(self, logits: torch.Tensor, seqs):
         params = [s.params for s in seqs]
         if all(p.greedy for p in params) or any(
-                p.logprobs is not None or p.min_p > 0 or p.seed is not None for p in params):
+                p.logprobs is not None or p.min_p > 0 or p.seed is not None or p.needs_logits_processing
+                for p in params):
             return super().__call__(logits, seqs)
         dev = logits.device
         temp = torch.tensor([0.0 if p.greedy else float(p.temperature) for p in params], device=dev)

@@ -54,6 +54,8 @@ class RequestSnapshot:
     outputs: list[OutputSnapshot]
     finished: bool
     num_cached_tokens: int = 0
+    prompt_token_ids: list[int] | None = None  # set on the final snapshot (echo)
+    prompt_logprobs: list | None = None  # set on the final snapshot when asked for
 
 
 def _snapshot(out) -> RequestSnapshot:
@@ -65,6 +67,10 @@ def _snapshot(out) -> RequestSnapshot:
                                 o.finish_reason, o.stop_reason) for o in out.outputs],
         finished=bool(out.finished),
         num_cached_tokens=getattr(out, "num_cached_tokens", 0) or 0,
+        # Copied once, when the request finishes: the prompt's lists are long, and only the answer reads them.
+        prompt_token_ids=list(out.prompt_token_ids or []) if out.finished else None,
+        prompt_logprobs=(list(out.prompt_logprobs) if out.finished and getattr(out, "prompt_logprobs", None)
+                         else None),
     )
 
 

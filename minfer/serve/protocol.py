@@ -122,14 +122,13 @@ def _reject_unsupported(body: dict, chat: bool) -> None:
     def nonzero(v):
         return v not in (None, 0, 0.0, False, {}, [], "")
 
-    checks = {"presence_penalty": nonzero, "frequency_penalty": nonzero, "logit_bias": nonzero,
-              "best_of": lambda v: v not in (None, 1) and v != body.get("n", 1)}
+    checks = {"best_of": lambda v: v not in (None, 1) and v != body.get("n", 1)}
     if chat:
         checks.update({"tools": nonzero, "functions": nonzero,
                        "response_format": lambda v: v not in (None, {}) and not (isinstance(v, dict)
                                                                                    and v.get("type") == "text")})
     else:
-        checks.update({"echo": nonzero, "suffix": nonzero})
+        checks.update({"suffix": nonzero})
     for name, is_set in checks.items():
         if name in body and is_set(body[name]):
             raise APIError(400, f"'{name}' is not supported by minfer", param=name)
@@ -155,6 +154,21 @@ def _completion_logprobs_setting(body: dict) -> int | None:
     return logprobs
 
 
+def echo_setting(body: dict) -> tuple[bool, bool]:
+    """Completions' `echo` as (echo the prompt, score only). Scoring as evaluation harnesses send it
+    (lm-evaluation-harness's loglikelihood): `echo: true, logprobs: N, max_tokens: 0` answers the prompt and
+    its tokens' logprobs and generates nothing (the engine runs one token, which is dropped).
+
+    Raises:
+        APIError(400): echo not a boolean, echo with stream (not built), max_tokens 0 without echo.
+    """
+    echo_on = _get_bool(body, "echo", False)
+    if echo_on and _get(body, "stream", False) is True:
+        raise APIError(400, "echo is not supported with stream=true", param="echo")
+    score_only = echo_on and body.get("max_tokens") == 0 and not isinstance(body.get("max_tokens"), bool)
+    return echo_on, score_only
+
+
 def _check_stream_fields(body: dict) -> None:
     stream = _get_bool(body, "stream", False)
     options = body.get("stream_options")
@@ -175,12 +189,18 @@ def sampling_params(body: dict, *, chat: bool) -> SamplingParams:
     `max_tokens` stays None here: its default depends on the prompt's length (`fit_max_tokens`).
     """
     _reject_unsupported(body, chat)
+    extra = {}
     if chat:
         max_tokens = _get(body, "max_completion_tokens", _get(body, "max_tokens"))
         logprobs = _chat_logprobs_setting(body)
     else:
         max_tokens = _get(body, "max_tokens")
         logprobs = _completion_logprobs_setting(body)
+        echo_on, score_only = echo_setting(body)
+        if score_only:
+            max_tokens = 1
+        if echo_on and logprobs is not None:
+            extra["prompt_logprobs"] = logprobs
     _check_stream_fields(body)
     try:
         return SamplingParams(
@@ -197,6 +217,12 @@ def sampling_params(body: dict, *, chat: bool) -> SamplingParams:
             logprobs=logprobs,
             include_stop_str_in_output=_get_bool(body, "include_stop_str_in_output", False),
             skip_special_tokens=_get_bool(body, "skip_special_tokens", True),
+            presence_penalty=_get(body, "presence_penalty", 0.0),
+            frequency_penalty=_get(body, "frequency_penalty", 0.0),
+            repetition_penalty=_get(body, "repetition_penalty", 1.0),
+            min_tokens=_get(body, "min_tokens", 0),
+            logit_bias=_get(body, "logit_bias"),
+            **extra,
         )
     except (ValueError, TypeError) as exc:
         param = param_of(exc)
@@ -334,21 +360,59 @@ def _choice(index: int, text: str, logprobs: dict | None, finish_reason: str | N
     return {"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
+def prompt_logprobs_part(tok: TokenText, prompt_ids: list[int], prompt_logprobs: list | None, k: int) -> dict:
+    """The completions `logprobs` of an echoed prompt: its tokens, `token_logprobs` (None for the first, which
+    has no context), `top_logprobs` (None first, then the chosen token and the top `k`) and `text_offset`."""
+    tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
+    for i, tid in enumerate(prompt_ids):
+        s = tok(tid)
+        d = prompt_logprobs[i] if prompt_logprobs else None
+        tokens.append(s)
+        offsets.append(offset)
+        offset += len(s)
+        if d is None:
+            token_lps.append(None), tops.append(None)
+            continue
+        token_lps.append(_chosen_logprob(d, tid))
+        top = sorted(d.items(), key=lambda kv: -kv[1])[:max(k, 1)]
+        if tid not in dict(top):
+            top.append((tid, d[tid]))
+        tops.append({tok(t): float(lp) for t, lp in top})
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _echoed(tok: TokenText, snap, o, k: int, prompt_text: str, score_only: bool) -> tuple[str, dict | None]:
+    """(text, logprobs) of a completion with `echo`: the prompt, then (unless score_only) the output."""
+    lp = None
+    if o.logprobs is not None:
+        lp = prompt_logprobs_part(tok, snap.prompt_token_ids, snap.prompt_logprobs, k)
+        if not score_only:
+            out = _completion_logprobs(tok, o.token_ids, o.logprobs, k, offset=len(prompt_text))
+            for key in lp:
+                lp[key] += out[key]
+    return prompt_text + ("" if score_only else o.text), lp
+
+
 def completion_response(req_id: str, created: int, model: str, snapshots: list, n: int, k: int, tok: TokenText,
-                        *, chat: bool) -> dict:
+                        *, chat: bool, echo_prompts: list[str] | None = None, score_only: bool = False) -> dict:
     """The JSON answer of a non-streamed request from the final snapshot of each of its prompts (in order).
 
-    Choice `i * n + j` is completion `j` of prompt `i`, as OpenAI numbers them.
+    Choice `i * n + j` is completion `j` of prompt `i`, as OpenAI numbers them. `echo_prompts` (completions'
+    `echo`): each prompt's text, put before its completions' text (and its tokens' logprobs before theirs);
+    `score_only` (`max_tokens: 0`): the prompt alone, no completion tokens.
     """
     choices, prompt_tokens, completion_tokens = [], 0, 0
     for prompt_index, snap in enumerate(snapshots):
         prompt_tokens += snap.num_prompt_tokens
         for o in snap.outputs:
-            completion_tokens += len(o.token_ids)
-            lp = None
-            if o.logprobs is not None:
+            text, lp = o.text, None
+            if echo_prompts is not None:
+                text, lp = _echoed(tok, snap, o, k, echo_prompts[prompt_index], score_only)
+            elif o.logprobs is not None:
                 lp = format_logprobs(tok, o.token_ids, o.logprobs, k, chat=chat)
-            choices.append(_choice(prompt_index * n + o.index, o.text, lp, o.finish_reason, chat=chat, delta=False))
+            completion_tokens += 0 if score_only else len(o.token_ids)
+            finish = "length" if score_only else o.finish_reason
+            choices.append(_choice(prompt_index * n + o.index, text, lp, finish, chat=chat, delta=False))
     choices.sort(key=lambda c: c["index"])
     return {"id": req_id, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": model, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}

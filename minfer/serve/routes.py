@@ -46,8 +46,8 @@ from minfer.serve.limits import (
     ServerLimits, check_fan_out, check_message_chars, check_prompt_chars, read_body, require_json)
 from minfer.serve.metrics import ServerMetrics
 from minfer.serve.protocol import (
-    DEFAULT_COMPLETION_MAX_TOKENS, APIError, normalize_messages, parse_json_body, parse_prompts, resolve_model,
-    sampling_params)
+    DEFAULT_COMPLETION_MAX_TOKENS, APIError, echo_setting, normalize_messages, parse_json_body, parse_prompts,
+    resolve_model, sampling_params)
 from minfer.serve.serving import OpenAIServing
 
 logger = logging.getLogger("minfer.serve")
@@ -114,12 +114,19 @@ async def completions(request: Request):
     def tokenize() -> list:
         return [serving.engine.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
 
+    texts = list(prompts)
     try:  # off the engine thread: a megabyte of prompt text must not stall everyone's decoding
         prompts = await run_in_threadpool(tokenize)
     except Exception as exc:  # e.g. lone surrogates the tokenizer cannot encode
         raise APIError(400, f"the prompt could not be tokenized: {exc}", param="prompt") from None
+    echo_on, score_only = echo_setting(body)
+    echo_prompts = None
+    if echo_on:  # a prompt given as token ids is echoed as their text
+        echo_prompts = [t if isinstance(t, str) else serving.engine.tokenizer.decode(ids, skip_special_tokens=False)
+                        for t, ids in zip(texts, prompts)]
     return await serving.generate(request, body, prompts, params, chat=False, model=model, id_prefix="cmpl",
-                                  default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS)
+                                  default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS, echo_prompts=echo_prompts,
+                                  score_only=score_only)
 
 
 @router.post("/v1/chat/completions")

@@ -58,11 +58,13 @@ class OpenAIServing:
         self.log_requests = log_requests
 
     async def generate(self, request: Request, body: dict, prompts: list[list[int]], params: SamplingParams, *,
-                       chat: bool, model: str, id_prefix: str, default_max_tokens: int | None):
+                       chat: bool, model: str, id_prefix: str, default_max_tokens: int | None,
+                       echo_prompts: list[str] | None = None, score_only: bool = False):
         """Run `prompts` (token ids); answer a dict (JSON), an SSE stream, or 499 if the client left.
 
         `default_max_tokens` is the endpoint's default for an omitted max_tokens (None: up to max_model_len);
-        each prompt gets it capped to what is left after it (`protocol.fit_max_tokens`).
+        each prompt gets it capped to what is left after it (`protocol.fit_max_tokens`). `echo_prompts` and
+        `score_only`: completions' echo (`protocol.completion_response`).
         """
         req_id = f"{id_prefix}-{uuid.uuid4().hex}"
         arrival = time.perf_counter()
@@ -82,7 +84,7 @@ class OpenAIServing:
         if final is None:  # answered with nginx's "client closed request", for the access log: nobody reads it
             return Response(status_code=499)
         return completion_response(req_id, created, model, [final[rid] for rid in group.rids], params.n, k,
-                                   self.tok_text, chat=chat)
+                                   self.tok_text, chat=chat, echo_prompts=echo_prompts, score_only=score_only)
 
 
 async def _collect(group: RequestGroup) -> dict[str, RequestSnapshot]:
