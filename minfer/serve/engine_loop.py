@@ -296,6 +296,8 @@ class RequestGroup:
                 error = error or payload
         if error is not None:
             self.abort()
+            if isinstance(error, APIError):  # e.g. 503 from a client whose engine process died
+                raise error
             if isinstance(error, (ValueError, TypeError)):
                 raise APIError(400, str(error), param=param_of(error) or "prompt")
             raise APIError(500, f"{type(error).__name__}: {error}")

@@ -2,7 +2,7 @@
 
 | route | answers |
 | --- | --- |
-| GET /health | `{"status": "ok"}`, restarting the engine loop's thread if it is not running |
+| GET /health | `{"status": "ok"}`, restarting the engine loop's thread if it is not running; 503 once the engine process died |
 | GET /v1/models | the served model names, as OpenAI's model list |
 | POST /v1/completions | OpenAI's completions: a prompt (or several, or token ids) in, text out |
 | POST /v1/chat/completions | OpenAI's chat completions: messages in, rendered with the model's chat template |
@@ -28,6 +28,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import logging
+import os
 import re
 import secrets
 import time
@@ -79,8 +80,10 @@ def _serving(request: Request) -> OpenAIServing:
 @_get("/health")
 async def health(request: Request):
     engine_loop = _serving(request).engine_loop
+    if not engine_loop.alive and not getattr(engine_loop, "exit_reason", None):
+        engine_loop.start()  # an in-process loop's thread is restarted; a dead engine process is not
     if not engine_loop.alive:
-        engine_loop.start()
+        raise APIError(503, getattr(engine_loop, "exit_reason", None) or "the engine is not running")
     return {"status": "ok"}
 
 
@@ -152,6 +155,7 @@ async def stats(request: Request):
             "ttft_recent_mean_s": sum(recent) / len(recent) if recent else None,
             "num_requests_total": engine_loop.num_requests_added, "num_steps": engine_loop.num_steps,
             "num_step_errors": engine_loop.num_step_errors, "engine_loop_alive": engine_loop.alive,
+            "api_server_pid": os.getpid(), "engine_pid": getattr(engine_loop, "engine_pid", None) or os.getpid(),
             "limits": serving.limits.as_dict()}
 
 
