@@ -57,12 +57,37 @@ def stop_profiler(proc: subprocess.Popen | None) -> None:
             proc.kill()
 
 
-def summarize_profile(path: str, wall_s: float, rate: float = 100.0, top: int = 12) -> dict:
-    """Collapsed stacks -> {busy fraction of one core, top leaf functions by share of samples}.
+# Where a sample's innermost frame is -> what the process was doing (first match wins).
+CATEGORIES = [
+    ("waiting (select/poll)", ("selectors.py", "zmq/sugar/poll.py", "threading.py", "queue.py")),
+    ("model forward (torch ops, kernels, layers)", ("torch/", "minfer/model/", "minfer/attention/", "minfer/kernels/",
+                                                    "minfer/sampling.py", "minfer/worker.py", "minfer/kv_cache.py")),
+    ("engine Python (schedule, outputs, detokenize)", ("minfer/scheduler.py", "minfer/block_manager.py",
+                                                       "minfer/engine.py", "minfer/detokenizer.py",
+                                                       "minfer/sequence.py", "minfer/executor.py", "tokenizers")),
+    ("IPC (ZMQ, msgpack, snapshots)", ("zmq/", "msgpack", "minfer/serve/engine_core.py",
+                                       "minfer/serve/engine_client.py", "minfer/serve/engine_loop.py", "pickle")),
+    ("HTTP, JSON, SSE (uvicorn, starlette, protocol)", ("uvicorn/", "h11/", "starlette/", "fastapi/", "anyio/",
+                                                        "asyncio/", "json/", "minfer/serve/", "httptools")),
+]
 
-    A line of py-spy's raw format is `thread;frame;...;leaf count`; a frame is `function (file:line)`.
+
+def categorize(where: str) -> str:
+    for name, keys in CATEGORIES:
+        if any(k in where for k in keys):
+            return name
+    return "other"
+
+
+def summarize_profile(path: str, wall_s: float, rate: float = 100.0, top: int = 12) -> dict:
+    """Collapsed stacks -> {busy cores, top leaf functions and categories by share of samples}.
+
+    A line of py-spy's raw format is `frame;...;leaf count`; a frame is `function (file:line)`. py-spy
+    samples Python threads only: torch's own worker threads are not in it, and a thread blocked in C with
+    the GIL released is counted where it blocks (`waiting`).
     """
     leaf: collections.Counter = collections.Counter()
+    cats: collections.Counter = collections.Counter()
     total = 0
     if not os.path.exists(path):
         return {}
@@ -76,8 +101,10 @@ def summarize_profile(path: str, wall_s: float, rate: float = 100.0, top: int = 
             name, _, where = frame.partition(" (")
             where = where.rstrip(")").rsplit(":", 1)[0]
             leaf[f"{name} ({os.path.basename(where)})"] += n
+            cats[categorize(where)] += n
             total += n
     return {"samples": total, "busy_cores": total / (wall_s * rate) if wall_s else None,
+            "categories": {k: v / total for k, v in cats.most_common()} if total else {},
             "top_self": [{"function": k, "share": v / total} for k, v in leaf.most_common(top)] if total else []}
 
 
@@ -191,8 +218,8 @@ def main(argv=None) -> int:
         prof = runs[m][-1].get("profile")
         for proc, p in (prof or {}).items():
             if p:
-                print(f"  profile {m}/{proc}: busy {p['busy_cores']:.2f} cores; top own time: " + ", ".join(
-                    f"{t['function']} {t['share']:.0%}" for t in p["top_self"][:5]))
+                print(f"  profile {m}/{proc}: {p['samples']} samples; " + ", ".join(
+                    f"{k} {v:.0%}" for k, v in p["categories"].items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
