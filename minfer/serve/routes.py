@@ -277,12 +277,14 @@ def build_app(engine, served_model_names: list[str] | str | None = None, api_key
     """A FastAPI app serving `engine` with OpenAI's API.
 
     Args:
-        engine: an `LLMEngine` (or a fake with its interface); owned by the app's engine-loop thread.
+        engine: an `LLMEngine` (or a fake with its interface), owned by the app's engine-loop thread; or, with
+            an `MPEngineClient` as `engine_loop`, its `EngineView` (tokenizer, model config, KV pool).
         served_model_names: names clients may put in "model" (the first one is reported); default:
             `engine.model_name`.
         api_key: when set, every route but `PUBLIC_PATHS` needs `Authorization: Bearer <api_key>`.
         log_requests: log each request's id, prompt length and sampling parameters.
-        engine_loop: an existing `EngineLoop` for `engine` (default: a new one, with its own metrics).
+        engine_loop: the engine client: an existing `EngineLoop` for `engine` or a started `MPEngineClient`
+            (`engine_client.py`; default: a new `EngineLoop`, with its own metrics).
         limits: what one request may ask (default: `ServerLimits()`); a `max_prompt_chars` of None is derived
             from the engine's tokenizer here. The connection limits in it are uvicorn's to enforce
             (`connection.uvicorn_options`).
