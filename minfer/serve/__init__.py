@@ -10,14 +10,18 @@ Split as vLLM's `vllm/entrypoints/openai/`, one job a module, in the order a req
 - `protocol.py`: the OpenAI API's shapes: request bodies -> `SamplingParams` and prompts, `APIError`, the JSON
   answers and streamed chunks.
 - `serving.py`: one generation request end to end: submit, then a JSON answer or a server-sent-event stream.
-- `EngineLoop`: the engine's own thread and its bridge to asyncio (`engine_loop.py`).
+- `EngineLoop`: the engine's own thread and its bridge to asyncio (`engine_loop.py`): the in-process client.
+- `MPEngineClient`: the engine core in a process of its own, over ZMQ (`engine_client.py`; the process body is
+  `engine_core.py`); what `python -m minfer.serve` uses unless `--no-engine-process`.
 - `ServerMetrics`: the Prometheus metrics (`metrics.py`).
 """
 
+from minfer.serve.engine_client import EngineView, InprocClient, MPEngineClient
 from minfer.serve.engine_loop import EngineLoop
 from minfer.serve.limits import ServerLimits
 from minfer.serve.metrics import ServerMetrics
 from minfer.serve.protocol import APIError
 from minfer.serve.routes import build_app
 
-__all__ = ["APIError", "EngineLoop", "ServerLimits", "ServerMetrics", "build_app"]
+__all__ = ["APIError", "EngineLoop", "EngineView", "InprocClient", "MPEngineClient", "ServerLimits", "ServerMetrics",
+           "build_app"]

@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
            '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 4}\' '
            "(default: off)")
     a("--seed", type=int, metavar="N", default=d["seed"], help=f"engine random seed (default: {d['seed']})")
+    a("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+      help="run the engine core in a process of its own, beside the HTTP server, as vLLM v1 does; "
+           "--no-engine-process runs it in a thread of the server's process (default: on)")
     a("--disable-log-requests", action="store_true", help="do not log each request (default: log them)")
     a("--uvicorn-log-level", default="info", metavar="LEVEL", choices=["critical", "error", "warning", "info", "debug", "trace"],
       help="uvicorn's log level: critical, error, warning, info, debug, trace (default: info)")
@@ -198,9 +201,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m minfer.serve: error: {exc}", file=sys.stderr)
         return 2
 
-    from minfer.engine import LLMEngine  # noqa: PLC0415 - heavy import after the flags are checked
+    from prometheus_client import disable_created_metrics  # noqa: PLC0415
+
+    disable_created_metrics()  # no `*_created` series (as vLLM): this process is the server, nothing else
+    from minfer.serve.metrics import ServerMetrics  # noqa: PLC0415
+
+    names = args.served_model_name or [engine_args.model]
     try:
-        engine = LLMEngine.from_engine_args(engine_args)
+        if args.engine_process:  # the model loads in the engine process; this one gets a view of it
+            from minfer.serve.engine_client import MPEngineClient  # noqa: PLC0415
+
+            engine_loop = MPEngineClient(engine_args, ServerMetrics(names[0]))
+            engine_loop.start()
+            engine = engine_loop.engine_view
+        else:
+            from minfer.engine import LLMEngine  # noqa: PLC0415 - heavy import after the flags are checked
+            from minfer.serve.engine_loop import EngineLoop  # noqa: PLC0415
+
+            engine = LLMEngine.from_engine_args(engine_args)
+            engine_loop = EngineLoop(engine, ServerMetrics(names[0]))
     except ValueError as exc:  # a setting the engine refuses (e.g. a KV pool too small for max_model_len)
         print(f"python -m minfer.serve: error: {exc}", file=sys.stderr)
         return 2
@@ -210,14 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     import uvicorn  # noqa: PLC0415
-    from prometheus_client import disable_created_metrics  # noqa: PLC0415
-
-    disable_created_metrics()  # no `*_created` series (as vLLM): this process is the server, nothing else
 
     from minfer.serve.connection import uvicorn_options  # noqa: PLC0415
     from minfer.serve.routes import build_app  # noqa: PLC0415
 
-    names = args.served_model_name or [engine_args.model]
     pool = engine.kv_pool_info()
     mc = engine.model_config
     logger.info("model: %s (served as %s), dtype: %s, max_model_len: %d", getattr(engine, "model_name", engine_args.model),
@@ -226,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                 pool.get("block_size", 0), pool.get("num_tokens", 0), _fmt_bytes(pool.get("bytes", 0)))
     logger.info("engine args: %s", engine_args)
     app = build_app(engine, served_model_names=names, api_key=args.api_key,
-                    log_requests=not args.disable_log_requests, limits=limits,
+                    log_requests=not args.disable_log_requests, engine_loop=engine_loop, limits=limits,
                     enable_docs=args.enable_fastapi_docs)
     logger.info("limits: %s", app.state.serving.limits)
     logger.info("serving on http://%s:%d (OpenAI API at /v1, metrics at /metrics, demo page at /)%s",

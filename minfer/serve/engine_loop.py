@@ -287,6 +287,7 @@ class RequestGroup:
         self.rids = [f"{base_id}-{i}" for i in range(n_prompts)]
         self.index = {rid: i for i, rid in enumerate(self.rids)}
         self.unfinished: set[str] = set()
+        self._early: deque = deque()  # events that arrived before every prompt was acknowledged
 
     async def submit(self, prompts: list, params: list[SamplingParams], arrival: float) -> None:
         """Add every prompt with its own `params`; raise APIError(400) (after aborting the accepted ones) if the
@@ -294,14 +295,22 @@ class RequestGroup:
         for rid, prompt, p in zip(self.rids, prompts, params, strict=True):
             self.engine_loop.add(rid, prompt, p, self.queue, arrival)
         error = None
-        for _ in self.rids:
-            rid, kind, payload = await self.queue.get()
+        pending = set(self.rids)
+        while pending:  # an engine may run a step between two adds: keep what comes early for `events`
+            event = await self.queue.get()
+            rid, kind, payload = event
             if kind == "added":
                 self.unfinished.add(rid)
+                pending.discard(rid)
             elif kind == "error":
                 error = error or payload
+                pending.discard(rid)
+            else:
+                self._early.append(event)
         if error is not None:
             self.abort()
+            if isinstance(error, APIError):  # e.g. 503 from a client whose engine process died
+                raise error
             if isinstance(error, (ValueError, TypeError)):
                 raise APIError(400, str(error), param=param_of(error) or "prompt")
             raise APIError(500, f"{type(error).__name__}: {error}")
@@ -309,7 +318,7 @@ class RequestGroup:
     async def events(self) -> AsyncIterator[RequestSnapshot]:
         """Output snapshots until every request finished; APIError(500) if the engine failed."""
         while self.unfinished:
-            rid, kind, payload = await self.queue.get()
+            rid, kind, payload = self._early.popleft() if self._early else await self.queue.get()
             if rid not in self.unfinished:
                 continue
             if kind == "fatal":

@@ -2,7 +2,7 @@
 
 | route | answers |
 | --- | --- |
-| GET /health | `{"status": "ok"}`, restarting the engine loop's thread if it is not running |
+| GET /health | `{"status": "ok"}`, restarting the engine loop's thread if it is not running; 503 once the engine process died |
 | GET /v1/models | the served model names, as OpenAI's model list |
 | POST /v1/completions | OpenAI's completions: a prompt (or several, or token ids) in, text out |
 | POST /v1/chat/completions | OpenAI's chat completions: messages in, rendered with the model's chat template |
@@ -28,6 +28,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import logging
+import os
 import re
 import secrets
 import time
@@ -79,8 +80,10 @@ def _serving(request: Request) -> OpenAIServing:
 @_get("/health")
 async def health(request: Request):
     engine_loop = _serving(request).engine_loop
+    if not engine_loop.alive and not getattr(engine_loop, "exit_reason", None):
+        engine_loop.start()  # an in-process loop's thread is restarted; a dead engine process is not
     if not engine_loop.alive:
-        engine_loop.start()
+        raise APIError(503, getattr(engine_loop, "exit_reason", None) or "the engine is not running")
     return {"status": "ok"}
 
 
@@ -159,6 +162,7 @@ async def stats(request: Request):
             "ttft_recent_mean_s": sum(recent) / len(recent) if recent else None,
             "num_requests_total": engine_loop.num_requests_added, "num_steps": engine_loop.num_steps,
             "num_step_errors": engine_loop.num_step_errors, "engine_loop_alive": engine_loop.alive,
+            "api_server_pid": os.getpid(), "engine_pid": getattr(engine_loop, "engine_pid", None) or os.getpid(),
             "limits": serving.limits.as_dict()}
 
 
@@ -280,12 +284,14 @@ def build_app(engine, served_model_names: list[str] | str | None = None, api_key
     """A FastAPI app serving `engine` with OpenAI's API.
 
     Args:
-        engine: an `LLMEngine` (or a fake with its interface); owned by the app's engine-loop thread.
+        engine: an `LLMEngine` (or a fake with its interface), owned by the app's engine-loop thread; or, with
+            an `MPEngineClient` as `engine_loop`, its `EngineView` (tokenizer, model config, KV pool).
         served_model_names: names clients may put in "model" (the first one is reported); default:
             `engine.model_name`.
         api_key: when set, every route but `PUBLIC_PATHS` needs `Authorization: Bearer <api_key>`.
         log_requests: log each request's id, prompt length and sampling parameters.
-        engine_loop: an existing `EngineLoop` for `engine` (default: a new one, with its own metrics).
+        engine_loop: the engine client: an existing `EngineLoop` for `engine` or a started `MPEngineClient`
+            (`engine_client.py`; default: a new `EngineLoop`, with its own metrics).
         limits: what one request may ask (default: `ServerLimits()`); a `max_prompt_chars` of None is derived
             from the engine's tokenizer here. The connection limits in it are uvicorn's to enforce
             (`connection.uvicorn_options`).

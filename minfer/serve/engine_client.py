@@ -1,0 +1,302 @@
+"""Engine clients: what the HTTP side talks to, in-process (a thread) or across a process boundary (vLLM v1's
+`EngineCoreClient` with its `InprocClient` and `MPClient`, `vllm/v1/engine/core_client.py`).
+
+Both implementations have one interface, the one `RequestGroup` and the routes use:
+
+    add(request_id, prompt_ids, params, queue, arrival)   answer ("added" | "error") arrives on `queue`
+    abort([request_id, ...])                              frees their KV blocks; later outputs are dropped
+    start() / stop() / alive                              alive False: /health answers 503
+    metrics, latest_stats, kv_pool_info, recent_ttfts, num_steps, num_requests_added, num_step_errors
+
+and put the same events on a request's asyncio queue: `(rid, "added", None)`, `(rid, "error", exc)`,
+`(rid, "output", RequestSnapshot)`, `(rid, "fatal", message)`.
+
+- `InprocClient` is `engine_loop.EngineLoop`: the engine in a thread of the server's process (tests with a
+  fake engine, `--no-engine-process`). Offline `LLM` does not use a client at all: it calls the engine.
+- `MPEngineClient` starts `engine_core.core_main` in a spawned process and talks to it over two ZMQ
+  sockets. A receiver thread turns each step message back into cumulative `RequestSnapshot`s and hands them
+  to the event loop in one `call_soon_threadsafe` per message. The thread also watches the process: when it
+  dies, every in-flight request gets a "fatal" event at once and `alive` turns False.
+
+A replica router (the parallelism issue) holds one client per replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import pickle
+import shutil
+import tempfile
+import threading
+import time
+from collections import deque
+from types import SimpleNamespace
+
+from minfer.serve.engine_loop import EngineLoop, OutputSnapshot, RequestSnapshot
+from minfer.serve.metrics import ServerMetrics
+from minfer.serve.protocol import APIError
+
+logger = logging.getLogger("minfer.serve")
+
+InprocClient = EngineLoop  # the in-process implementation (a thread owns the engine)
+
+_EXC = {"ValueError": ValueError, "TypeError": TypeError}
+
+
+class EngineView:
+    """What the API process knows of the engine in the other process: what `build_app` reads of an engine."""
+
+    def __init__(self, info: dict):
+        self.model_name = info["model_name"]
+        self.model_config = info["model_config"]
+        self.tokenizer = info["tokenizer"]
+        self._kv_pool_info = info["kv_pool_info"]
+
+    def kv_pool_info(self) -> dict:
+        return dict(self._kv_pool_info)
+
+
+class _Route:
+    __slots__ = ("loop", "queue", "arrival", "outputs")
+
+    def __init__(self, loop, q, arrival):
+        self.loop, self.queue, self.arrival = loop, q, arrival
+        self.outputs: dict[int, OutputSnapshot] = {}
+
+
+class MPEngineClient:
+    """The engine core in its own process (`engine_core.core_main`), reached over ZMQ.
+
+    Args:
+        engine_args: the `EngineArgs` the engine process builds its `LLMEngine` from.
+        metrics: `ServerMetrics` to update (in this process), or None.
+        startup_timeout: seconds to wait for the model to load (seconds).
+
+    Raises (from `start`):
+        ValueError: the engine refused its settings (as `LLMEngine` would in-process).
+        RuntimeError: the engine process failed to start or died while loading.
+    """
+
+    def __init__(self, engine_args, metrics: ServerMetrics | None = None, startup_timeout: float = 600.0):
+        import msgpack
+        import zmq
+
+        self.engine_args = engine_args
+        self.metrics = metrics
+        self.startup_timeout = startup_timeout
+        self.latest_stats: dict = {}
+        self.kv_pool_info: dict = {}
+        self.recent_ttfts: deque = deque(maxlen=64)
+        self.num_steps = self.num_requests_added = self.num_step_errors = 0
+        self.engine_view: EngineView | None = None
+        self.engine_pid: int | None = None
+        self.exit_reason: str | None = None
+        self._routes: dict[str, _Route] = {}
+        self._lock = threading.Lock()  # routes are touched by the event loop and the receiver thread
+        self._unpack = lambda b: msgpack.unpackb(b, raw=False, strict_map_key=False)
+        self._ctx = zmq.Context(io_threads=1)
+        self._dir = tempfile.mkdtemp(prefix="minfer-engine-")  # mode 0700: only this user can connect
+        self._in_addr, self._out_addr = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
+        self._send_sock = self._ctx.socket(zmq.PUSH)
+        self._send_sock.bind(self._in_addr)
+        self._recv_sock = self._ctx.socket(zmq.PULL)
+        self._recv_sock.bind(self._out_addr)
+        self._send_lock = threading.Lock()  # a ZMQ socket is not thread-safe
+        self._proc = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._dead = False
+
+    # --- lifecycle -----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Spawn the engine process and wait until its model is loaded (idempotent)."""
+        if self._proc is not None:
+            return
+        from minfer.serve.engine_core import core_main
+
+        ctx = multiprocessing.get_context("spawn")  # fork would copy this process's threads and torch state
+        self._proc = ctx.Process(target=core_main, args=(self.engine_args, self._in_addr, self._out_addr),
+                                 name="minfer-engine-core", daemon=True)
+        self._proc.start()
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            if self._recv_sock.poll(250):
+                msg = self._unpack(self._recv_sock.recv())
+                if msg[0] == "ready":
+                    break
+            if not self._proc.is_alive():
+                raise RuntimeError(f"the engine process exited with {self._proc.exitcode} while loading")
+            if time.monotonic() > deadline:
+                self._proc.kill()
+                raise RuntimeError(f"the engine process did not load its model in {self.startup_timeout:g} s")
+        info = pickle.loads(msg[1])
+        if "error" in info:
+            self._proc.join(10)
+            raise (ValueError if info.get("value_error") else RuntimeError)(info["error"])
+        self.engine_view = EngineView(info)
+        self.kv_pool_info = info["kv_pool_info"]
+        self.engine_pid = info["pid"]
+        self._on_stats(info["stats"])
+        self._thread = threading.Thread(target=self._recv_loop, name="minfer-engine-client", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.terminate()
+            self._proc.join(timeout)
+            if self._proc.is_alive():
+                self._proc.kill()
+        self._send_sock.close(linger=0)
+        self._recv_sock.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and not self._dead and self._proc.is_alive()
+
+    # --- called from the event loop ------------------------------------------------------------------------
+    def add(self, request_id: str, prompt, params, q: asyncio.Queue, arrival: float) -> None:
+        """Send `add_request` to the engine process; "added" or "error" arrives on `q`."""
+        loop = asyncio.get_running_loop()
+        if not self.alive:
+            q.put_nowait((request_id, "error", APIError(503, self._dead_message())))
+            return
+        with self._lock:
+            self._routes[request_id] = _Route(loop, q, arrival)
+        self._send(("add", request_id, prompt, params, arrival))
+
+    def abort(self, request_ids: list[str]) -> None:
+        if not request_ids:
+            return
+        with self._lock:
+            gone = [r for r in request_ids if self._routes.pop(r, None) is not None]
+        if self.alive:
+            self._send(("abort", list(request_ids)))
+        if self.metrics is not None:
+            for _ in gone:
+                self.metrics.observe_finished("abort", [], None, None)
+
+    def _send(self, cmd) -> None:
+        with self._send_lock:
+            self._send_sock.send(pickle.dumps(cmd, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _dead_message(self) -> str:
+        return self.exit_reason or "the engine process is not running"
+
+    # --- receiver thread -----------------------------------------------------------------------------------
+    def _recv_loop(self) -> None:
+        sock = self._recv_sock
+        while not self._stop.is_set():
+            try:
+                if not sock.poll(200):
+                    if not self._proc.is_alive():
+                        self._on_death()
+                        return
+                    continue
+                msg = self._unpack(sock.recv())
+                self._on_message(msg)
+            except Exception:  # noqa: BLE001 - a bad message must not kill the receiver
+                if self._stop.is_set():
+                    return
+                logger.exception("engine client: could not handle a message")
+
+    def _on_death(self) -> None:
+        code = self._proc.exitcode
+        self._dead = True
+        self.exit_reason = f"the engine process died (exit code {code}); restart the server"
+        logger.error(self.exit_reason)
+        with self._lock:
+            routes = list(self._routes.items())
+            self._routes.clear()
+        self._post_many([(r, (rid, "fatal", self.exit_reason)) for rid, r in routes])
+
+    def _post_many(self, events) -> None:
+        """Put (route, event) pairs on their queues with one hop per event loop."""
+        by_loop: dict = {}
+        for route, event in events:
+            by_loop.setdefault(route.loop, []).append((route.queue, event))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the loop is closed (shutdown)
+                pass
+
+    def _on_stats(self, stats: dict | None) -> None:
+        if not stats:
+            return
+        self.latest_stats = stats
+        if self.metrics is not None:
+            self.metrics.update_from_stats(SimpleNamespace(**stats))
+
+    def _on_message(self, msg) -> None:
+        kind = msg[0]
+        if kind == "step":
+            self.num_steps += 1
+            self._on_outputs(msg[1])
+            self._on_stats(msg[2])
+        elif kind == "stats":
+            self._on_stats(msg[1])
+        elif kind == "added":
+            with self._lock:
+                events = [(self._routes[r], (r, "added", None)) for r in msg[1] if r in self._routes]
+            self.num_requests_added += len(msg[1])
+            self._post_many(events)
+        elif kind == "error":
+            _, rid, typ, text = msg
+            with self._lock:
+                route = self._routes.pop(rid, None)
+            if route is not None:
+                exc = _EXC[typ](text) if typ in _EXC else RuntimeError(f"{typ}: {text}")
+                self._post_many([(route, (rid, "error", exc))])
+        elif kind == "fatal":
+            _, rids, text = msg
+            self.num_step_errors += 1
+            with self._lock:
+                routes = [(r, self._routes.pop(r)) for r in rids if r in self._routes]
+            self._post_many([(route, (rid, "fatal", text)) for rid, route in routes])
+
+    def _on_outputs(self, rows) -> None:
+        now = time.perf_counter()
+        events = []
+        with self._lock:
+            for rid, n_prompt, n_cached, finished, ttft, fin, comps in rows:
+                route = self._routes.get(rid)
+                if route is None:  # aborted meanwhile
+                    continue
+                outs = route.outputs
+                for index, t0, new_ids, c0, new_text, new_lp, reason, stop_reason in comps:
+                    old = outs.get(index)
+                    if old is None:
+                        old = OutputSnapshot(index, "", [], [] if new_lp is not None else None, None, None)
+                    lp = None
+                    if new_lp is not None:
+                        lp = (old.logprobs or [])[:t0] + new_lp
+                    outs[index] = OutputSnapshot(index, old.text[:c0] + new_text, old.token_ids[:t0] + new_ids,
+                                                 lp, reason, stop_reason)
+                snap = RequestSnapshot(rid, n_prompt, [outs[i] for i in sorted(outs)], finished, n_cached)
+                if ttft is not None:
+                    ttft = now - route.arrival if ttft < 0 else ttft
+                    self.recent_ttfts.append((time.time(), ttft))
+                    if self.metrics is not None:
+                        self.metrics.observe_first_token(ttft)
+                if finished:
+                    self._routes.pop(rid, None)
+                    if self.metrics is not None:
+                        itl, tpot, e2e = fin or ([], None, None)
+                        reason = next((o.finish_reason for o in snap.outputs if o.finish_reason), None)
+                        self.metrics.observe_finished(reason, itl, tpot, e2e if e2e is not None
+                                                      else now - route.arrival)
+                events.append((route, (rid, "output", snap)))
+        self._post_many(events)
+
+
+def _put_all(items) -> None:
+    for q, event in items:
+        q.put_nowait(event)
+

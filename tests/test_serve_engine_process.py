@@ -1,0 +1,245 @@
+"""The engine core in its own process (minfer/serve/engine_core.py, minfer/serve/engine_client.py).
+
+- The wire format: step deltas rebuilt into the same cumulative snapshots the in-process loop makes
+  (no process, no model).
+- The real server (`python -m minfer.serve`, which runs the engine in a process of its own by default):
+  it is two processes; 32 concurrent streams, half of them dropped mid-stream, leave every KV block free
+  and the finished ones equal to the same request answered alone; a SIGKILLed engine process is seen within
+  seconds (/health 503, the stream in flight ends with an error event, a new request gets 503); a killed API
+  server takes its engine process with it.
+
+    pytest -q tests/test_serve_engine_process.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from minfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from minfer.serve.engine_core import encode_step
+from tests.serving import free_port, running_server
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "smollm2-135m-instruct"
+ARGS = ["--max-model-len", "512", "--max-num-seqs", "32", "--disable-log-requests", "--uvicorn-log-level", "warning"]
+
+pytestmark = pytest.mark.timeout(300)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Wire format, no process
+# ----------------------------------------------------------------------------------------------------------
+def _out(rid, texts, ids, finished=False, logprobs=None):
+    m = RequestMetrics(arrival_time=0.0)
+    return RequestOutput(rid, None, [1, 2, 3], [
+        CompletionOutput(i, t, list(x), "length" if finished else None, None,
+                         [dict(lp) for lp in logprobs[i]] if logprobs else None)
+        for i, (t, x) in enumerate(zip(texts, ids))], finished=finished, metrics=m)
+
+
+def _client_side():
+    """An MPEngineClient's receive half without its sockets: routes + `_on_outputs`."""
+    from minfer.serve.engine_client import MPEngineClient, _Route
+
+    class _Loop:
+        def call_soon_threadsafe(self, fn, *a):
+            fn(*a)
+
+    class _Q(list):
+        put_nowait = list.append
+
+    c = MPEngineClient.__new__(MPEngineClient)
+    c.metrics, c.recent_ttfts = None, []
+    c._routes, c._lock = {}, __import__("threading").Lock()
+    q = _Q()
+    c._routes["r"] = _Route(_Loop(), q, time.perf_counter())
+    return c, q
+
+
+def test_deltas_rebuild_the_cumulative_snapshots():
+    """Each step sends only what is new; the client's snapshots equal the engine's full outputs, including a
+    step whose text got shorter (an output processor that rewrites held-back text)."""
+    steps = [
+        _out("r", ["He", "A"], [[5], [9]], logprobs=[[{5: -0.1}], [{9: -0.2}]]),
+        _out("r", ["Hello", "A b"], [[5, 6], [9, 10]], logprobs=[[{5: -0.1}, {6: -0.3}], [{9: -0.2}, {10: -1.0}]]),
+        _out("r", ["Hel", "A b c"], [[5, 6, 7], [9, 10, 11]],  # text 0 shrank: sent whole again
+             logprobs=[[{5: -0.1}, {6: -0.3}, {7: -2.0}], [{9: -0.2}, {10: -1.0}, {11: -0.5}]]),
+        _out("r", ["Help!", "A b c."], [[5, 6, 7, 8], [9, 10, 11, 12]], finished=True,
+             logprobs=[[{5: -0.1}, {6: -0.3}, {7: -2.0}, {8: -0.1}], [{9: -0.2}, {10: -1.0}, {11: -0.5}, {12: -0.4}]]),
+    ]
+    import msgpack
+
+    sent: dict = {}
+    client, q = _client_side()
+    sizes = []
+    for out in steps:
+        wire = msgpack.packb(["step", encode_step([out], sent, 0.0), None], use_bin_type=True)
+        sizes.append(len(wire))
+        client._on_outputs(msgpack.unpackb(wire, raw=False, strict_map_key=False)[1])
+        rid, kind, snap = q[-1]
+        assert (rid, kind) == ("r", "output")
+        assert snap.finished == out.finished and snap.num_prompt_tokens == 3
+        for got, want in zip(snap.outputs, out.outputs, strict=True):
+            assert (got.index, got.text, got.token_ids, got.finish_reason) == (
+                want.index, want.text, want.token_ids, want.finish_reason)
+            assert got.logprobs == want.logprobs
+    assert sent == {} and "r" not in client._routes  # finished: forgotten on both sides
+    assert len(q) == len(steps)
+
+
+def test_a_step_message_carries_only_the_new_tokens():
+    sent: dict = {}
+    long = list(range(1000))
+    encode_step([_out("r", ["x" * 1000], [long])], sent, 0.0)
+    rows = encode_step([_out("r", ["x" * 1001], [long + [7]])], sent, 0.0)
+    (rid, _, _, finished, ttft, fin, comps), = rows
+    assert comps[0][1:5] == [1000, [7], 1000, "x"] and not finished and ttft is None and fin is None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The real server, two processes
+# ----------------------------------------------------------------------------------------------------------
+def _stats(url):
+    return httpx.get(url + "/v1/stats", timeout=10).json()
+
+
+def _wait_all_blocks_free(url, timeout=20.0):
+    deadline = time.time() + timeout
+    while True:
+        s = _stats(url)["stats"]
+        if s["num_free_blocks"] == s["num_total_blocks"] and s["num_running"] == 0 and s["num_waiting"] == 0:
+            return s
+        assert time.time() < deadline, f"KV blocks not all free after {timeout} s: {s}"
+        time.sleep(0.1)
+
+
+async def _stream(client, url, body, drop_after=None):
+    """Text of a streamed completion, or None if it was dropped after `drop_after` chunks."""
+    text, n = "", 0
+    async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            text += chunk["choices"][0]["text"]
+            n += 1
+            if drop_after is not None and n >= drop_after:
+                return None  # leaving the block closes the connection mid-stream
+    return text
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server(ARGS) as url:
+        yield url
+
+
+def test_engine_runs_in_its_own_process(server):
+    s = _stats(server)
+    assert s["engine_pid"] != s["api_server_pid"] and s["engine_loop_alive"]
+    assert httpx.get(server + "/health", timeout=5).status_code == 200
+
+
+def test_32_streams_with_disconnects_leave_every_block_free(server):
+    prompts = [f"Story number {i}: once upon a time" for i in range(32)]
+    base = {"model": MODEL, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True}
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as c:
+            return await asyncio.gather(*[
+                _stream(c, server, {**base, "prompt": p}, drop_after=2 + i % 5 if i % 2 else None)
+                for i, p in enumerate(prompts)])
+
+    before = _wait_all_blocks_free(server)
+    texts = asyncio.run(run())
+    after = _wait_all_blocks_free(server)
+    assert [t is None for t in texts] == [bool(i % 2) for i in range(32)]
+    assert after["num_total_blocks"] == before["num_total_blocks"]
+    # the dropped half did not run to the end: fewer tokens than 32 full requests
+    assert after["num_generation_tokens_total"] - before["num_generation_tokens_total"] < 32 * 24
+    # a finished stream under load is token for token the same request answered alone (greedy)
+    for i in (0, 10):
+        alone = httpx.post(server + "/v1/completions", json={**base, "prompt": prompts[i], "stream": False},
+                           timeout=60).json()["choices"][0]["text"]
+        assert texts[i] == alone
+
+
+def test_killed_engine_process_is_detected_within_seconds():
+    with running_server(ARGS, check_log=False) as url:
+        pid = _stats(url)["engine_pid"]
+        body = {"model": MODEL, "prompt": "Write a long story.", "max_tokens": 400, "ignore_eos": True,
+                "temperature": 0, "stream": True}
+        with httpx.Client(timeout=30) as c:
+            with c.stream("POST", url + "/v1/completions", json=body) as resp:
+                lines = resp.iter_lines()
+                while not next(lines).startswith("data: {"):
+                    pass
+                t_kill = time.perf_counter()
+                os.kill(pid, signal.SIGKILL)
+                rest = list(lines)  # must end, not hang (the client's timeout would fail the test)
+                t_end = time.perf_counter()
+        errors = [json.loads(x[6:]) for x in rest if x.startswith("data: {") and '"error"' in x]
+        assert errors and "engine process died" in errors[0]["error"]["message"], rest[-3:]
+        assert rest[-1] == "data: [DONE]" or "data: [DONE]" in rest
+        assert t_end - t_kill < 5, f"the stream ended {t_end - t_kill:.1f} s after the kill"
+        health = httpx.get(url + "/health", timeout=5)
+        assert health.status_code == 503 and "engine process died" in health.text
+        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503, r.text
+
+
+def test_killed_api_server_takes_its_engine_process_with_it():
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "minfer.serve", "--port", str(port), *ARGS], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 180
+        while True:
+            assert proc.poll() is None and time.time() < deadline, "server did not start"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.25)
+        pid = _stats(url)["engine_pid"]
+        proc.kill()  # SIGKILL: no shutdown code runs in the API process
+        proc.wait(10)
+        deadline = time.time() + 10
+        while _alive(pid):
+            assert time.time() < deadline, "the engine process outlived its API server by 10 s"
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_no_engine_process_flag_serves_in_process():
+    with running_server([*ARGS, "--no-engine-process"]) as url:
+        s = _stats(url)
+        assert s["engine_pid"] == s["api_server_pid"]
+        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 4,
+                                                      "temperature": 0}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
