@@ -171,6 +171,6 @@ async def serve_beam_search(serving, request: Request, body: dict, prompts: list
         for j, beam in enumerate(out.sequences[:n]):
             completion_tokens += len(beam.output_token_ids)
             choices.append({"index": i * n + j, "text": beam.text, "logprobs": None,
-                            "finish_reason": beam.finish_reason, "stop_reason": beam.stop_reason})
+                            "finish_reason": beam.finish_reason})
     return {"id": req_id, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage(sum(len(p) for p in prompts), completion_tokens)}
