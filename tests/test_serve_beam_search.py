@@ -5,7 +5,8 @@ A tiny random Llama with a word-level tokenizer (as in tests/test_spec_decode.py
 - the beams through the server equal `LLM.beam_search`'s on a second engine of the same model (text, finish
   reason, order, usage), for `n`, `best_of` > n, several prompts, length_penalty and ignore_eos;
 - a beam search sent while a sampled request runs waits for it (the engine loop runs it when idle), both
-  answer, and no KV block leaks;
+  answer, and no KV block leaks; on a stub engine, `EngineLoop.run_when_idle` runs a job only when idle,
+  holds requests added meanwhile until it ran, drops a cancelled job and survives a failing one;
 - bad values, `stream: true`, sampling-only fields and beams too big for the KV pool are 400s with OpenAI's
   error body naming the field.
 
@@ -143,3 +144,65 @@ def test_chat_refuses_beam_search(served):
     r = client.post("/v1/chat/completions", json={"model": "tiny", "use_beam_search": True,
                                                   "messages": [{"role": "user", "content": "w3"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search"
+
+
+class _BusyEngine:
+    """Just enough of `LLMEngine` for `EngineLoop`: busy until `idle` is set; records what it was asked."""
+
+    def __init__(self):
+        self.idle = threading.Event()
+        self.added: list[str] = []
+
+    def has_unfinished_requests(self):
+        return not self.idle.is_set()
+
+    def step(self):
+        time.sleep(0.005)
+        return []
+
+    def add_request(self, rid, prompt, params, arrival_time=None):
+        self.added.append(rid)
+        self.idle.clear()
+
+    def abort_request(self, rids):
+        pass
+
+    def stats(self):
+        return None
+
+    def kv_pool_info(self):
+        return {}
+
+
+def test_engine_loop_runs_a_job_only_when_idle_holds_new_requests_and_drops_cancelled_jobs():
+    import asyncio
+
+    from minfer.sampling_params import SamplingParams
+    from minfer.serve.engine_loop import EngineLoop
+
+    engine = _BusyEngine()
+    loop = EngineLoop(engine)
+    ran = []
+
+    async def scenario():
+        jobs, adds = asyncio.Queue(), asyncio.Queue()
+        loop.run_when_idle("j1", lambda e: ran.append("j1") or "result", jobs)
+        loop.run_when_idle("j2", lambda e: ran.append("j2"), jobs)
+        loop.cancel_job("j2")  # its client left before it started
+        loop.add("r1", [1, 2], SamplingParams(max_tokens=2), adds, time.perf_counter())
+        await asyncio.sleep(0.3)
+        assert ran == [] and engine.added == [], "a job ran on a busy engine, or a request jumped the queue"
+        engine.idle.set()
+        assert await asyncio.wait_for(jobs.get(), 10) == ("j1", "done", "result")
+        assert await asyncio.wait_for(adds.get(), 10) == ("r1", "added", None)  # released after the job
+        loop.run_when_idle("j3", lambda e: 1 / 0, jobs)
+        engine.idle.set()
+        rid, kind, exc = await asyncio.wait_for(jobs.get(), 10)
+        assert (rid, kind, type(exc)) == ("j3", "error", ZeroDivisionError)
+        assert loop.alive  # a failed job answers its own request; the loop goes on
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        loop.stop()
+    assert ran == ["j1"] and engine.added == ["r1"]

@@ -149,7 +149,9 @@ def run_interleaved(rounds: int = 3, max_tokens: int = 32, progress: bool = True
                     names: tuple[str, ...] = ("none", "ngram-k4", "draft-self-k3")) -> dict:
     """Batch 1 only, all methods loaded at once and timed in turn, round after round: each speed-up is taken
     against the run without speculation of the same round, so a shared machine's load drift (which moves
-    a whole run by 2-4x here) cancels. Returns per method and workload the per-round speed-ups and median."""
+    a whole run by 2-4x here) cancels. `names`: the methods of `_all_methods` to compare ("none" first).
+    Returns per method and workload the per-round speed-ups and median, the acceptance rate (accepted /
+    proposed draft tokens, all rounds) and whether every output equalled the one without speculation."""
     import statistics
 
     from minfer import LLM, SamplingParams
