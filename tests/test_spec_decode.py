@@ -25,6 +25,8 @@ from minfer.config import EngineArgs, SpeculativeConfig
 from minfer.spec_decode import NgramProposer, SpecDecodeMetrics, rejection_sample
 from minfer.spec_decode.rejection import processed_probs
 
+from .conftest import needs_default_model
+
 VOCAB = 64
 MIB = 1 << 20
 
@@ -347,3 +349,19 @@ def test_benchmark_formula():
     assert math.isclose(predicted_speedup(0.5, 2, 0.5), (1 - 0.125) / 0.5 / 2)
     for a in (0.1, 0.5, 0.9):
         assert math.isclose(alpha_from_round_length(predicted_speedup(a, 4, 0.0), 4), a, abs_tol=1e-9)
+
+
+@needs_default_model
+@pytest.mark.slow
+def test_quantized_self_draft_on_smollm2_equals_no_speculation():
+    """The article's pair: SmolLM2 drafting for itself with int8 weights (float32 target), greedy."""
+    prompt = "The capital of France is Paris. The capital of France is"
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    base = LLM(max_model_len=128, seed=0, kv_cache_memory_bytes=16 * MIB)
+    want = base.generate(prompt, sp)[0].outputs[0].token_ids
+    spec = LLM(max_model_len=128, seed=0, kv_cache_memory_bytes=16 * MIB,
+               speculative_config=dict(method="draft_model", model="smollm2-135m-instruct",
+                                       num_speculative_tokens=3, quantization="int8"))
+    assert spec.generate(prompt, sp)[0].outputs[0].token_ids == want
+    st = spec.stats()
+    assert st.spec_decode_num_draft_tokens > 0 and st.spec_decode_num_accepted_tokens > 0
