@@ -24,6 +24,7 @@ runs while the engine has no other request (`LLM.beam_search` checks).
 from __future__ import annotations
 
 import torch
+from tqdm.auto import tqdm
 
 from minfer.block_manager import BlockManager
 from minfer.outputs import BeamSearchOutput, BeamSearchSequence
@@ -210,4 +211,37 @@ def beam_search(runner: BeamSearchRunner, prompts: list[list[int]], params: Beam
                                    finish_reason="stop" if eos else "length", stop_reason=None)
                 for score, out, lps, eos in finished]
         outs.append(BeamSearchOutput(seqs))
+    return outs
+
+
+def run_beam_search(engine, prompts: list[list[int]], params: BeamSearchParams, decode,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+    """Beam search of validated token-id `prompts` on an idle `LLMEngine` (what `LLM.beam_search` and the
+    server's `use_beam_search` run); `decode(ids) -> str`. Prompts run together in groups that fit in the KV
+    pool at the worst case (no two beams sharing a generated block).
+
+    Raises:
+        ValueError: a prompt whose beams could never fit in the KV pool (the message says what to lower).
+        RuntimeError: the engine has unfinished requests (the runner steps the executor itself).
+    """
+    if engine.has_unfinished_requests():
+        raise RuntimeError("beam_search needs an idle engine; finish or abort the running requests first")
+    runner = BeamSearchRunner(engine.block_manager, engine.executor, engine.max_model_len,
+                              engine.tokenizer.eos_token_ids)
+    free = engine.block_manager.num_free_blocks
+    groups, need = [[]], 0
+    for p in prompts:
+        n = runner.blocks_needed(len(p), params)
+        if n > free:
+            raise ValueError(f"beam search of a {len(p)}-token prompt with beam_width={params.beam_width} and "
+                             f"max_tokens={params.max_tokens} may need {n} KV blocks; the pool has {free}. "
+                             "Lower beam_width or max_tokens, or enlarge the pool (kv_cache_memory_bytes).")
+        if need + n > free:
+            groups.append([])
+            need = 0
+        groups[-1].append(p)
+        need += n
+    outs = []
+    for group in tqdm(groups, desc="Beam search", disable=not use_tqdm):
+        outs.extend(beam_search(runner, group, params, decode))
     return outs

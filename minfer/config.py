@@ -57,7 +57,10 @@ class SpeculativeConfig:
         num_speculative_tokens: k, tokens proposed per step (>= 1); the target verifies k + 1 positions.
         prompt_lookup_max / prompt_lookup_min: longest / shortest n-gram tried (ngram only; tokens).
         model: the draft model (draft_model only): anything `LLM(model=...)` loads.
-        quantization: a quantized draft; waits for the quantization issue (refused).
+        quantization: the draft's weight quantization, None (the draft's own weights as loaded, whatever the
+            target uses) or one of "int8", "int4", "gguf" (`minfer.quantization`, as `LLM(quantization=...)`);
+            draft_model only. A quantized draft proposes differently, never wrongly: the target verifies.
+        quantization_config: that method's settings, a dict or JSON object string ({"group_size": 32}).
     """
 
     method: str
@@ -66,6 +69,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     model: str | None = None
     quantization: str | None = None
+    quantization_config: dict | str | None = None
 
     @classmethod
     def from_dict(cls, d) -> "SpeculativeConfig":
@@ -90,13 +94,14 @@ class SpeculativeConfig:
         if method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config method must be one of {list(SPECULATIVE_METHODS)}, got {method!r}")
         known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
-                 "quantization"}
+                 "quantization", "quantization_config"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"speculative_config has unknown field(s) {unknown}; known: {sorted(known)}")
         cfg = cls(method=method, num_speculative_tokens=d.get("num_speculative_tokens"),
                   prompt_lookup_max=d.get("prompt_lookup_max", 5), prompt_lookup_min=d.get("prompt_lookup_min", 1),
-                  model=d.get("model"), quantization=d.get("quantization"))
+                  model=d.get("model"), quantization=d.get("quantization"),
+                  quantization_config=d.get("quantization_config"))
         cfg.verify()
         return cfg
 
@@ -117,9 +122,15 @@ class SpeculativeConfig:
         else:
             if not isinstance(self.model, str) or not self.model:
                 raise ValueError("speculative_config method 'draft_model' needs 'model' (the draft to load)")
-        if self.quantization not in (None, "none"):
-            raise ValueError(f"speculative_config quantization={self.quantization!r}: a quantized draft waits for "
-                             "the quantization issue (minfer loads no quantized copy of a model yet)")
+        if self.quantization == "none":
+            self.quantization = None
+        if self.method == "ngram" and (self.quantization is not None or self.quantization_config):
+            raise ValueError("speculative_config method 'ngram' has no model to quantize: drop 'quantization'")
+        if self.method == "draft_model":
+            try:
+                self.quantization_config = parse_quantization_config(self.quantization, self.quantization_config)
+            except ValueError as e:
+                raise ValueError(f"speculative_config (the draft): {e}") from None
 
 
 # Weight quantization (minfer/quantization/): the methods, and the settings each accepts.

@@ -171,8 +171,10 @@ class LLMEngine:
         if spec.method == "ngram":
             proposer = NgramProposer(k, spec.prompt_lookup_max, spec.prompt_lookup_min)
         else:
+            # The draft's quantization is its own (speculative_config's), not the target's.
             draft = Worker(dataclasses.replace(args, model=spec.model, tokenizer=None, speculative_config=None,
-                                               max_model_len=self.max_model_len))
+                                               max_model_len=self.max_model_len, quantization=spec.quantization,
+                                               quantization_config=spec.quantization_config))
             target_cfg = self.model_config.config
             if draft.config.vocab_size != target_cfg.vocab_size:
                 raise ValueError(f"the draft {spec.model!r} has a vocabulary of {draft.config.vocab_size} tokens, "

@@ -17,7 +17,7 @@ from dataclasses import fields
 
 from tqdm.auto import tqdm
 
-from minfer.beam_search import BeamSearchRunner, beam_search
+from minfer.beam_search import run_beam_search
 from minfer.config import DEFAULT_MODEL, EngineArgs
 from minfer.detokenizer import OutputProcessor
 from minfer.engine import LLMEngine
@@ -117,25 +117,7 @@ class LLM:
         for p in _prompt_list(prompts):
             ids.append(engine.tokenize_prompt(p)[1])
             validate_prompt(ids[-1], check, engine.max_model_len, engine.model_config.vocab_size)
-        runner = BeamSearchRunner(engine.block_manager, engine.executor, engine.max_model_len,
-                                  engine.tokenizer.eos_token_ids)
-        free = engine.block_manager.num_free_blocks
-        groups, need = [[]], 0
-        for p in ids:
-            n = runner.blocks_needed(len(p), params)
-            if n > free:
-                raise ValueError(f"beam search of a {len(p)}-token prompt with beam_width={params.beam_width} and "
-                                 f"max_tokens={params.max_tokens} may need {n} KV blocks; the pool has {free}. "
-                                 "Lower beam_width or max_tokens, or enlarge the pool (kv_cache_memory_bytes).")
-            if need + n > free:
-                groups.append([])
-                need = 0
-            groups[-1].append(p)
-            need += n
-        outs = []
-        for group in tqdm(groups, desc="Beam search", disable=not use_tqdm):
-            outs.extend(beam_search(runner, group, params, self.tokenizer.decode))
-        return outs
+        return run_beam_search(engine, ids, params, self.tokenizer.decode, use_tqdm=use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (list of {"role", "content"}) or a list of them.

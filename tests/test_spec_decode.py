@@ -7,6 +7,7 @@ seconds on a CPU:
   batch with preemption (recompute and swap), prefix caching and chunked prefill, and no block leaks;
 - sampled output has the target's distribution: the rejection sampler's emitted tokens against p with a
   chi-square test (small vocabulary), and an engine-level first-token frequency test;
+- a quantized draft (int8, int4 of the draft and of the target) keeps greedy output equal to no speculation;
 - the n-gram proposer's unit cases, rollback freeing exactly the rejected slots, and bad configs.
 
     PYTHONPATH=$PWD python -m pytest -q tests/test_spec_decode.py
@@ -23,6 +24,8 @@ from minfer import LLM, SamplingParams
 from minfer.config import EngineArgs, SpeculativeConfig
 from minfer.spec_decode import NgramProposer, SpecDecodeMetrics, rejection_sample
 from minfer.spec_decode.rejection import processed_probs
+
+from .conftest import needs_default_model
 
 VOCAB = 64
 MIB = 1 << 20
@@ -246,12 +249,54 @@ def test_sampled_engine_output_has_the_target_distribution(models):
     (dict(method="ngram", num_speculative_tokens=2, prompt_lookup_min=3, prompt_lookup_max=2), "prompt_lookup"),
     (dict(method="draft_model", num_speculative_tokens=2), "needs 'model'"),
     (dict(method="ngram", num_speculative_tokens=2, foo=1), "unknown field"),
-    (dict(method="draft_model", model="x", num_speculative_tokens=2, quantization="int4"), "quantization issue"),
+    (dict(method="draft_model", model="x", num_speculative_tokens=2, quantization="int3"), "unknown quantization"),
+    (dict(method="draft_model", model="x", num_speculative_tokens=2, quantization="awq"), "not built"),
+    (dict(method="draft_model", model="x", num_speculative_tokens=2, quantization="int4",
+          quantization_config={"group_size": 48}), "group_size"),
+    (dict(method="draft_model", model="x", num_speculative_tokens=2, quantization="int8",
+          quantization_config={"group_size": 32}), "unknown key"),
+    (dict(method="draft_model", model="x", num_speculative_tokens=2, quantization_config={"group_size": 32}),
+     "without a quantization method"),
+    (dict(method="ngram", num_speculative_tokens=2, quantization="int8"), "no model to quantize"),
     ("{not json", "JSON"),
 ])
 def test_bad_speculative_configs(bad, match):
     with pytest.raises(ValueError, match=match):
         EngineArgs(speculative_config=bad)
+
+
+# A quantized draft (vLLM's speculative_config "quantization"): int8 / int4 copies of the draft and of the
+# target itself. It proposes from other logits, so the acceptance changes, never the greedy output.
+@pytest.mark.parametrize("quant, qcfg", [("int8", None), ("int4", {"group_size": 32}), ("int4", '{"group_size": 32}')])
+@pytest.mark.parametrize("draft", ["draft", "target"])
+def test_quantized_draft_greedy_equals_no_speculation(models, reference, draft, quant, qcfg):
+    from minfer.quantization.base import QuantizedLinearMethod
+
+    spec = dict(method="draft_model", model=models[draft], num_speculative_tokens=3, quantization=quant)
+    if qcfg is not None:
+        spec["quantization_config"] = qcfg
+    llm, got = _run(models["target"], _prompts(), GREEDY, speculative_config=spec, **ENGINE_CONFIGS["plain"])
+    assert got == reference
+    eng = llm.llm_engine
+    draft_methods = [type(m.method) for m in eng.spec_decoder.proposer.worker.model.modules() if hasattr(m, "method")]
+    assert any(issubclass(t, QuantizedLinearMethod) for t in draft_methods), "the draft was not quantized"
+    assert not any(isinstance(m.method, QuantizedLinearMethod) for m in eng.executor.driver_worker.model.modules()
+                   if hasattr(m, "method")), "the target must stay unquantized"
+    if quant == "int4":
+        assert {m.group_size for m in eng.spec_decoder.proposer.worker.model.modules() if hasattr(m, "group_size")} \
+            == {32}
+    st = llm.stats()
+    assert st.spec_decode_num_drafts > 0 and 0 < st.spec_decode_num_accepted_tokens
+
+
+@pytest.mark.parametrize("spec, match", [
+    (dict(quantization="gguf"), "gguf"),  # the draft is a Hugging Face directory, no GGUF blocks to run
+    (dict(quantization="int4", quantization_config={"group_size": 64}), "does not divide"),  # hidden 32
+])
+def test_quantized_draft_that_cannot_load_is_refused(models, spec, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(model=models["target"], max_model_len=256, attention_backend="torch", kv_cache_memory_bytes=MIB,
+            speculative_config=dict(method="draft_model", model=models["draft"], num_speculative_tokens=2, **spec))
 
 
 def test_config_accepts_vllm_json():
@@ -304,3 +349,19 @@ def test_benchmark_formula():
     assert math.isclose(predicted_speedup(0.5, 2, 0.5), (1 - 0.125) / 0.5 / 2)
     for a in (0.1, 0.5, 0.9):
         assert math.isclose(alpha_from_round_length(predicted_speedup(a, 4, 0.0), 4), a, abs_tol=1e-9)
+
+
+@needs_default_model
+@pytest.mark.slow
+def test_quantized_self_draft_on_smollm2_equals_no_speculation():
+    """The article's pair: SmolLM2 drafting for itself with int8 weights (float32 target), greedy."""
+    prompt = "The capital of France is Paris. The capital of France is"
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    base = LLM(max_model_len=128, seed=0, kv_cache_memory_bytes=16 * MIB)
+    want = base.generate(prompt, sp)[0].outputs[0].token_ids
+    spec = LLM(max_model_len=128, seed=0, kv_cache_memory_bytes=16 * MIB,
+               speculative_config=dict(method="draft_model", model="smollm2-135m-instruct",
+                                       num_speculative_tokens=3, quantization="int8"))
+    assert spec.generate(prompt, sp)[0].outputs[0].token_ids == want
+    st = spec.stats()
+    assert st.spec_decode_num_draft_tokens > 0 and st.spec_decode_num_accepted_tokens > 0

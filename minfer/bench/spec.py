@@ -48,6 +48,9 @@ def methods(quick: bool) -> dict:
     return m
 
 
+QUANTIZED_DRAFT_METHODS = ("none", "draft-self-k3", "draft-int8-k3", "draft-int4-k3")
+
+
 def predicted_speedup(alpha: float, k: int, c: float) -> float:
     """Leviathan et al. (2023), eq. for the expected improvement in walltime: (1 - α^(k+1)) / ((1 - α)(kc + 1))."""
     tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
@@ -142,15 +145,19 @@ def run(quick: bool = False, progress: bool = True) -> dict:
     return res
 
 
-def run_interleaved(rounds: int = 3, max_tokens: int = 32, progress: bool = True) -> dict:
+def run_interleaved(rounds: int = 3, max_tokens: int = 32, progress: bool = True,
+                    names: tuple[str, ...] = ("none", "ngram-k4", "draft-self-k3")) -> dict:
     """Batch 1 only, all methods loaded at once and timed in turn, round after round: each speed-up is taken
     against the run without speculation of the same round, so a shared machine's load drift (which moves
-    a whole run by 2-4x here) cancels. Returns per method and workload the per-round speed-ups and median."""
+    a whole run by 2-4x here) cancels. `names`: the methods of `_all_methods` to compare ("none" first).
+    Returns per method and workload the per-round speed-ups and median, the acceptance rate (accepted /
+    proposed draft tokens, all rounds) and whether every output equalled the one without speculation."""
     import statistics
 
     from minfer import LLM, SamplingParams
 
-    chosen = {k: v for k, v in methods(False).items() if k in ("none", "ngram-k4", "draft-self-k3")}
+    every = _all_methods()
+    chosen = {k: every[k] for k in names}
     llms = {name: LLM(max_model_len=1024, seed=0, kv_cache_memory_bytes=64 << 20, speculative_config=spec)
             for name, spec in chosen.items()}
     tok = llms["none"].tokenizer
@@ -159,15 +166,25 @@ def run_interleaved(rounds: int = 3, max_tokens: int = 32, progress: bool = True
     for llm in llms.values():
         llm.generate(prompts["free"], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     out: dict = {name: {w: [] for w in WORKLOADS} for name in chosen if name != "none"}
+    same: dict = {name: True for name in out}
+    counts: dict = {name: [0, 0] for name in out}  # accepted, proposed draft tokens
     for r in range(rounds):
         for w, ids in prompts.items():
             times = {}
-            names = list(chosen)
-            names = names[r % len(names):] + names[:r % len(names)]  # rotate who goes first
-            for name in names:
+            order = list(chosen)
+            order = order[r % len(order):] + order[:r % len(order)]  # rotate who goes first
+            toks = {}
+            for name in order:
+                before = llms[name].stats()
                 t0 = time.perf_counter()
-                llms[name].generate(ids, params)
+                toks[name] = llms[name].generate(ids, params)[0].outputs[0].token_ids
                 times[name] = time.perf_counter() - t0
+                st = llms[name].stats()
+                if name in counts:
+                    counts[name][0] += st.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+                    counts[name][1] += st.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+            for name in out:
+                same[name] = same[name] and toks[name] == toks["none"]
             for name in out:
                 out[name][w].append(times["none"] / times[name])
             if progress:
@@ -175,7 +192,17 @@ def run_interleaved(rounds: int = 3, max_tokens: int = 32, progress: bool = True
                       file=sys.stderr, flush=True)
     return dict(rounds=rounds, max_tokens=max_tokens, batch=1,
                 speedup={n: {w: dict(per_round=v, median=statistics.median(v)) for w, v in d.items()}
-                         for n, d in out.items()})
+                         for n, d in out.items()},
+                acceptance_rate={n: a / p if p else 0.0 for n, (a, p) in counts.items()},
+                same_output_as_none=same)
+
+
+def _all_methods() -> dict:
+    """Every method, and the target's own weights quantized as the draft (`--quantized-draft`: c below 1)."""
+    m = methods(False)
+    spec = dict(method="draft_model", model="smollm2-135m-instruct", num_speculative_tokens=3)
+    m.update({"draft-int8-k3": dict(spec, quantization="int8"), "draft-int4-k3": dict(spec, quantization="int4")})
+    return m
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,8 +211,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON here")
     ap.add_argument("--only-interleaved", action="store_true",
                     help="only the interleaved batch-1 comparison; added to the --json file if it exists")
+    ap.add_argument("--quantized-draft", action="store_true",
+                    help="only the interleaved batch-1 comparison of the target as its own draft in float32, "
+                         "int8 and int4 (speculative_config quantization)")
     args = ap.parse_args(argv)
-    if args.only_interleaved:
+    if args.quantized_draft:
+        res = {"machine": "2 CPU cores shared with four other jobs: compare ratios within this run only",
+               "interleaved": run_interleaved(rounds=2, max_tokens=32, names=QUANTIZED_DRAFT_METHODS)}
+    elif args.only_interleaved:
         import os
 
         res = json.load(open(args.json)) if args.json and os.path.exists(args.json) else {}

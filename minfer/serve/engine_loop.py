@@ -4,7 +4,9 @@
 `engine.step()` calls the thread drains an inbound queue of commands (add a request, abort requests), then
 hands each step's outputs to the asyncio queue of the HTTP request that asked for them
 (`loop.call_soon_threadsafe`). A request the engine rejects (`ValueError` from `add_request`) gets its error
-back on its own queue; the loop goes on. The same thread updates the Prometheus metrics. vLLM splits the same
+back on its own queue; the loop goes on. A job (`run_when_idle`: beam search, which steps the executor itself)
+runs on the same thread once no request is unfinished; requests added while it waits wait behind it, so a
+busy server drains for it instead of starving it. The same thread updates the Prometheus metrics. vLLM splits the same
 job between `AsyncLLM` (the asyncio side) and its engine-core process (`vllm/v1/engine/`).
 
 On the asyncio side, `RequestGroup` gathers the engine requests of one HTTP request (one per prompt) on one
@@ -121,6 +123,8 @@ class EngineLoop:
         self.num_steps = 0
         self.num_requests_added = 0
         self.num_step_errors = 0
+        self._jobs: deque = deque()  # (job_id, fn, route) waiting for an idle engine
+        self._deferred: list = []  # "add" commands that arrived while a job waited
         try:
             self.kv_pool_info = dict(engine.kv_pool_info())
         except Exception:  # noqa: BLE001 - optional
@@ -155,6 +159,17 @@ class EngineLoop:
         if request_ids:
             self._commands.put(("abort", list(request_ids)))
 
+    def run_when_idle(self, job_id: str, fn, q: asyncio.Queue) -> None:
+        """Queue `fn(engine)` to run on the engine thread between two steps, once the engine has no unfinished
+        request. Its result arrives on `q` as `(job_id, "done", value)`, or `(job_id, "error", exc)` if it
+        raised (the loop goes on either way). Requests added meanwhile are held until the job ran."""
+        self.start()
+        self._commands.put(("job", job_id, fn, asyncio.get_running_loop(), q))
+
+    def cancel_job(self, job_id: str) -> None:
+        """Drop a job that has not started (its client left); one already running finishes."""
+        self._commands.put(("cancel_job", job_id))
+
     # --- engine thread -------------------------------------------------------------------------------------
     def _post(self, route: _Route, *event) -> None:
         try:
@@ -164,7 +179,16 @@ class EngineLoop:
 
     def _handle(self, cmd) -> None:
         kind = cmd[0]
-        if kind == "add":
+        if kind == "add" and self._jobs:  # behind a waiting job: the running requests drain for it
+            self._deferred.append(cmd)
+        elif kind == "job":
+            _, job_id, fn, loop, q = cmd
+            self._jobs.append((job_id, fn, _Route(loop, q, time.perf_counter())))
+        elif kind == "cancel_job":
+            self._jobs = deque(j for j in self._jobs if j[0] != cmd[1])
+            if not self._jobs:
+                self._release_deferred()
+        elif kind == "add":
             _, rid, prompt, params, arrival, loop, q = cmd
             route = _Route(loop, q, arrival)
             try:
@@ -176,6 +200,7 @@ class EngineLoop:
             self.num_requests_added += 1
             self._post(route, rid, "added", None)
         elif kind == "abort":
+            self._deferred = [c for c in self._deferred if c[1] not in cmd[1]]
             rids = [r for r in cmd[1] if r in self._routes]
             for r in rids:
                 self._routes.pop(r, None)
@@ -187,6 +212,25 @@ class EngineLoop:
                 if self.metrics is not None:
                     for _ in rids:
                         self.metrics.observe_finished("abort", [], None, None)
+
+    def _release_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        for cmd in deferred:
+            self._handle(cmd)
+
+    def _run_jobs(self) -> None:
+        """Run the waiting jobs (the engine is idle), then add the requests that waited behind them."""
+        while self._jobs:
+            job_id, fn, route = self._jobs.popleft()
+            try:
+                result = fn(self.engine)
+            except Exception as exc:  # noqa: BLE001 - a failed job answers its own request only
+                logger.info("job %s failed: %s: %s", job_id, type(exc).__name__, exc)
+                self._post(route, job_id, "error", exc)
+            else:
+                self._post(route, job_id, "done", result)
+        self._release_deferred()
+        self._refresh_stats(force=True)
 
     def _drain(self, block: bool) -> bool:
         """Run queued commands; wait up to 0.25 s for one when `block`. True if any ran."""
@@ -260,6 +304,9 @@ class EngineLoop:
                     self._refresh_stats(force=True)
                 if self._stop.is_set():
                     break
+                if self._jobs and not self.engine.has_unfinished_requests():
+                    self._run_jobs()
+                    continue
                 if not self.engine.has_unfinished_requests():
                     if not ran:
                         self._refresh_stats(force=True)

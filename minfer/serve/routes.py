@@ -42,6 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from minfer.sampling_params import SamplingParams
+from minfer.serve.beam_search import beam_search_params, beam_search_requested, serve_beam_search
 from minfer.serve.engine_loop import EngineLoop
 from minfer.serve.limits import (
     ServerLimits, check_fan_out, check_message_chars, check_prompt_chars, read_body, require_json)
@@ -97,21 +98,32 @@ async def models(request: Request):
         for name in serving.served_model_names]}
 
 
-async def _parse(request: Request, *, chat: bool) -> tuple[OpenAIServing, dict, str, SamplingParams]:
+async def _read(request: Request) -> tuple[OpenAIServing, dict, str]:
     """What both generation routes read first, in this order: the body (declared JSON, within the size and
-    time limits), the model, the sampling parameters."""
+    time limits), the model."""
     serving = _serving(request)
     require_json(request)
     body = parse_json_body(await read_body(request, serving.limits))
-    model = resolve_model(body, serving.served_model_names)
+    return serving, body, resolve_model(body, serving.served_model_names)
+
+
+async def _parse(request: Request, *, chat: bool) -> tuple[OpenAIServing, dict, str, SamplingParams]:
+    """`_read`, then the sampling parameters."""
+    serving, body, model = await _read(request)
+    if chat and body.get("use_beam_search") not in (None, False):
+        raise APIError(400, "use_beam_search is served on /v1/completions only", param="use_beam_search")
     return serving, body, model, sampling_params(body, chat=chat)
 
 
 @router.post("/v1/completions")
 async def completions(request: Request):
-    serving, body, model, params = await _parse(request, chat=False)
+    serving, body, model = await _read(request)
+    beam = beam_search_requested(body)
+    # Beam search reads its own fields (`serve.beam_search`); sampling's parser would refuse best_of != n.
+    params = beam_search_params(body)[0] if beam else sampling_params(body, chat=False)
     prompts = parse_prompts(body)
-    check_fan_out(len(prompts), params.n, serving.limits)  # before tokenizing: these cost nothing yet
+    width = params.beam_width if beam else params.n
+    check_fan_out(len(prompts), width, serving.limits)  # before tokenizing: these cost nothing yet
     check_prompt_chars(prompts, serving.limits, serving.max_model_len)
 
     def tokenize() -> list:
@@ -122,6 +134,8 @@ async def completions(request: Request):
         prompts = await run_in_threadpool(tokenize)
     except Exception as exc:  # e.g. lone surrogates the tokenizer cannot encode
         raise APIError(400, f"the prompt could not be tokenized: {exc}", param="prompt") from None
+    if beam:
+        return await serve_beam_search(serving, request, body, prompts, model, DEFAULT_COMPLETION_MAX_TOKENS)
     echo_on, score_only = echo_setting(body)
     echo_prompts = None
     if echo_on:  # a prompt given as token ids is echoed as their text

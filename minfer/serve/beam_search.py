@@ -1,0 +1,176 @@
+"""Beam search on /v1/completions: vLLM's `use_beam_search: true` (article §7; `minfer.beam_search`).
+
+The request's beam width is `best_of` if given, else `n`; the answer's `choices` are the `n` best beams of each
+prompt, best score first (choice `i * n + j` is beam `j` of prompt `i`, as OpenAI numbers completions). The
+fields beam search reads: `n`, `best_of`, `max_tokens` (default 16, capped to what max_model_len leaves, as
+for sampling), `temperature`, `length_penalty`, `early_stopping`, `ignore_eos`, `include_stop_str_in_output`.
+A sampling-only field set to anything but its default (`top_p`, `stop`, `logprobs`, ...) and `stream: true`
+are refused with a 400 naming them, rather than ignored.
+
+`LLM.beam_search` steps the executor itself, outside the scheduler, so it needs an idle engine: the search
+is a job the engine loop runs between two steps once no request is unfinished (`EngineLoop.run_when_idle`);
+requests that arrive meanwhile wait behind it. Nothing else of the serving path knows about beam search.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from minfer.beam_search import run_beam_search
+from minfer.sampling_params import BeamSearchParams, SamplingParams
+from minfer.sequence import validate_prompt
+from minfer.serve.protocol import APIError, echo, param_of, usage
+
+# Fields that only sampling reads, with the values that mean "not used" (JSON null always means not given).
+_SAMPLING_ONLY = {"top_p": (1, 1.0), "top_k": (-1, 0), "min_p": (0, 0.0), "stop": ([], ""), "stop_token_ids": ([],),
+                  "logprobs": (), "echo": (False,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
+                  "repetition_penalty": (1, 1.0), "min_tokens": (0,), "logit_bias": ({},), "suffix": ("",),
+                  "stream_options": ()}
+
+
+def beam_search_requested(body: dict) -> bool:
+    """`use_beam_search` as a JSON boolean (APIError(400) for anything else)."""
+    value = body.get("use_beam_search")
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise APIError(400, f"use_beam_search must be a boolean (true or false), got {echo(value)}",
+                       param="use_beam_search")
+    return value
+
+
+def _int_field(body: dict, name: str, default: int | None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise APIError(400, f"{name} must be an integer >= 1, got {echo(value)}", param=name)
+    return value
+
+
+def beam_search_params(body: dict) -> tuple[BeamSearchParams, int, int | None]:
+    """The body's beam search fields -> (params, n beams to return, max_tokens as given or None).
+
+    `params.max_tokens` is a placeholder (1) when max_tokens was omitted: its default depends on each prompt's
+    length (`run`). Raises APIError(400) naming the field: stream, a sampling-only field, best_of < n, or a
+    value `BeamSearchParams` refuses.
+    """
+    if body.get("stream") is not None and body.get("stream") is not False:
+        raise APIError(400, "use_beam_search cannot be streamed (stream=true): the beams are known only when "
+                            "the search ends; send stream=false", param="stream")
+    for name, unused in _SAMPLING_ONLY.items():
+        value = body.get(name)
+        if value is not None and not any(value == u and type(value) is type(u) for u in unused):
+            raise APIError(400, f"{name}={echo(value)} is not supported with use_beam_search (beam search keeps "
+                                "the most likely beams; it does not sample)", param=name)
+    n = _int_field(body, "n", 1)
+    width = _int_field(body, "best_of", n)
+    if width < n:
+        raise APIError(400, f"best_of={width} (the beam width) must be >= n={n} (the beams returned)",
+                       param="best_of")
+    max_tokens = body.get("max_tokens")
+    try:
+        params = BeamSearchParams(
+            beam_width=width, max_tokens=1 if max_tokens is None else max_tokens,
+            ignore_eos=_bool_field(body, "ignore_eos"),
+            temperature=0.0 if body.get("temperature") is None else body["temperature"],
+            length_penalty=1.0 if body.get("length_penalty") is None else body["length_penalty"],
+            early_stopping=False if body.get("early_stopping") is None else body["early_stopping"],
+            include_stop_str_in_output=_bool_field(body, "include_stop_str_in_output"))
+    except (ValueError, TypeError) as exc:
+        m = re.search(r"BeamSearchParams\.(\w+)", str(exc))
+        param = m.group(1) if m else None
+        if param == "beam_width":
+            param = "best_of" if body.get("best_of") is not None else "n"
+        raise APIError(400, str(exc).replace("BeamSearchParams.", ""), param=param) from None
+    return params, n, max_tokens
+
+
+def _bool_field(body: dict, name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise APIError(400, f"{name} must be a boolean (true or false), got {echo(value)}", param=name)
+    return value
+
+
+def _per_prompt(engine, prompts: list[list[int]], params: BeamSearchParams, max_tokens: int | None,
+                default_max_tokens: int) -> list[BeamSearchParams]:
+    """Each prompt's params, an omitted max_tokens filled in as `protocol.fit_max_tokens` does; APIError(400)
+    for a prompt the engine would refuse (checked here, before queueing: the answer needs no engine)."""
+    out = []
+    max_model_len, vocab = engine.max_model_len, engine.model_config.vocab_size
+    for ids in prompts:
+        room = max_model_len - len(ids)
+        p = params if max_tokens is not None else dataclasses.replace(
+            params, max_tokens=max(1, min(default_max_tokens, room)))
+        try:
+            validate_prompt(ids, SamplingParams(max_tokens=p.max_tokens), max_model_len, vocab)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=param_of(exc) or "prompt") from None
+        out.append(p)
+    return out
+
+
+async def _wait(request: Request, q: asyncio.Queue):
+    """The job's event, or None if the client disconnected first."""
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    get, gone = asyncio.ensure_future(q.get()), asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (get, gone):
+            if not t.done():
+                t.cancel()
+    return get.result() if get in done else None
+
+
+async def serve_beam_search(serving, request: Request, body: dict, prompts: list[list[int]], model: str,
+                            default_max_tokens: int) -> dict | Response:
+    """Answer a `use_beam_search` completion for token-id `prompts`: OpenAI's `text_completion` object.
+
+    Raises:
+        APIError(400): a bad field or prompt, or beams that cannot fit in the KV pool.
+        APIError(503): the search could not run (the engine was not idle: retry).
+        APIError(500): the search failed.
+    """
+    params, n, max_tokens = beam_search_params(body)
+    per_prompt = _per_prompt(serving.engine, prompts, params, max_tokens, default_max_tokens)
+    decode = serving.engine.tokenizer.decode
+
+    def job(engine):
+        return [run_beam_search(engine, [ids], p, decode)[0] for ids, p in zip(prompts, per_prompt)]
+
+    req_id = f"cmpl-{uuid.uuid4().hex}"
+    q: asyncio.Queue = asyncio.Queue()
+    serving.engine_loop.run_when_idle(req_id, job, q)
+    event = await _wait(request, q)
+    if event is None:
+        serving.engine_loop.cancel_job(req_id)
+        return Response(status_code=499)
+    _, kind, payload = event
+    if kind == "error":
+        if isinstance(payload, ValueError):
+            raise APIError(400, str(payload), param="max_tokens" if "KV blocks" in str(payload) else None)
+        if isinstance(payload, RuntimeError) and "idle engine" in str(payload):
+            raise APIError(503, f"beam search could not run now ({payload}); retry the request")
+        raise APIError(500, f"beam search failed: {type(payload).__name__}: {payload}")
+    choices, completion_tokens = [], 0
+    for i, out in enumerate(payload):
+        for j, beam in enumerate(out.sequences[:n]):
+            completion_tokens += len(beam.output_token_ids)
+            choices.append({"index": i * n + j, "text": beam.text, "logprobs": None,
+                            "finish_reason": beam.finish_reason})
+    return {"id": req_id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": usage(sum(len(p) for p in prompts), completion_tokens)}

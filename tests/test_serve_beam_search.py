@@ -1,0 +1,208 @@
+"""Beam search through the server (`use_beam_search` on /v1/completions, `minfer/serve/beam_search.py`).
+
+A tiny random Llama with a word-level tokenizer (as in tests/test_spec_decode.py), in-process (`TestClient`):
+
+- the beams through the server equal `LLM.beam_search`'s on a second engine of the same model (text, finish
+  reason, order, usage), for `n`, `best_of` > n, several prompts, length_penalty and ignore_eos;
+- a beam search sent while a sampled request runs waits for it (the engine loop runs it when idle), both
+  answer, and no KV block leaks; on a stub engine, `EngineLoop.run_when_idle` runs a job only when idle,
+  holds requests added meanwhile until it ran, drops a cancelled job and survives a failing one;
+- bad values, `stream: true`, sampling-only fields and beams too big for the KV pool are 400s with OpenAI's
+  error body naming the field.
+
+    PYTHONPATH=$PWD python -m pytest -q tests/test_serve_beam_search.py
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from minfer import LLM, BeamSearchParams
+from minfer.serve.routes import build_app
+
+from .test_spec_decode import _save_tiny
+
+KV_BYTES = 64 * 1024  # 256 token slots (2 layers x K,V x 2 heads x 8 dims x 4 bytes = 256 bytes a token)
+ENGINE = dict(max_model_len=128, seed=0, attention_backend="torch", kv_cache_memory_bytes=KV_BYTES)
+PROMPTS = ["w5 w9 w12 w7 w30", "w17 w3 w44 w44 w21 w9"]
+ID_PROMPTS = [[0, 17, 3, 44, 44, 21, 9], [0, 8]]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return str(_save_tiny(tmp_path_factory.mktemp("beam") / "m", 0))
+
+
+@pytest.fixture(scope="module")
+def reference_llm(model):
+    return LLM(model=model, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def served(model):
+    llm = LLM(model=model, **ENGINE)
+    with TestClient(build_app(llm.llm_engine, served_model_names=["tiny"], log_requests=False)) as c:
+        yield c, llm.llm_engine
+
+
+def _post(client, **body):
+    return client.post("/v1/completions", json={"model": "tiny", "use_beam_search": True, **body})
+
+
+@pytest.mark.parametrize("fields, width, n", [
+    (dict(n=3, max_tokens=8), 3, 3),
+    (dict(n=2, best_of=4, max_tokens=10, length_penalty=0.5), 4, 2),
+    (dict(n=2, max_tokens=6, ignore_eos=True, temperature=0.7), 2, 2),
+    (dict(n=3), 3, 3),  # max_tokens omitted: completions' default 16
+    (dict(n=1, best_of=3, max_tokens=7, prompt=ID_PROMPTS), 3, 1),  # token-id prompts
+])
+def test_beams_equal_llm_beam_search(served, reference_llm, fields, width, n):
+    fields = dict(fields)
+    client, engine = served
+    prompts = fields.pop("prompt", PROMPTS)
+    r = _post(client, prompt=prompts, **fields)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    want = reference_llm.beam_search(prompts, BeamSearchParams(
+        beam_width=width, max_tokens=fields.get("max_tokens", 16), ignore_eos=fields.get("ignore_eos", False),
+        temperature=fields.get("temperature", 0.0), length_penalty=fields.get("length_penalty", 1.0)))
+    expected = [(i * n + j, s.text, s.finish_reason) for i, out in enumerate(want) for j, s in
+                enumerate(out.sequences[:n])]
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in got["choices"]] == expected
+    assert len(expected) == len(prompts) * n
+    assert got["object"] == "text_completion" and got["model"] == "tiny"
+    prompt_lens = [len(reference_llm.llm_engine.tokenize_prompt(p)[1]) for p in prompts]
+    assert got["usage"]["prompt_tokens"] == sum(prompt_lens)
+    assert got["usage"]["completion_tokens"] == sum(len(s.output_token_ids) for out in want
+                                                    for s in out.sequences[:n])
+    assert engine.all_blocks_free()
+
+
+def test_beam_search_waits_for_running_requests(served, reference_llm):
+    client, engine = served
+    results = {}
+
+    def sampled():
+        results["sampled"] = client.post("/v1/completions", json={
+            "model": "tiny", "prompt": "w3 w4", "max_tokens": 100, "ignore_eos": True, "temperature": 1.0})
+        results["sampled_done"] = time.perf_counter()
+
+    t = threading.Thread(target=sampled)
+    t.start()
+    deadline = time.time() + 10
+    while not engine.has_unfinished_requests() and time.time() < deadline and t.is_alive():
+        time.sleep(0.001)
+    assert engine.has_unfinished_requests(), "the sampled request should still be running"
+    r = _post(client, prompt=PROMPTS[0], n=2, max_tokens=8)
+    beam_done = time.perf_counter()
+    t.join(60)
+    assert results["sampled_done"] <= beam_done, "the beam search ran before the engine was idle"
+    assert results["sampled"].status_code == 200
+    assert len(results["sampled"].json()["choices"][0]["text"].split()) > 0
+    assert r.status_code == 200, r.text
+    want = reference_llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=2, max_tokens=8))[0]
+    assert [c["text"] for c in r.json()["choices"]] == [s.text for s in want.sequences]
+    # and the server keeps serving sampled requests afterwards
+    assert client.post("/v1/completions", json={"model": "tiny", "prompt": "w3", "max_tokens": 3}).status_code == 200
+    assert engine.all_blocks_free()
+
+
+@pytest.mark.parametrize("fields, param", [
+    (dict(stream=True), "stream"),
+    (dict(n=3, best_of=2), "best_of"),
+    (dict(n=0), "n"),
+    (dict(n=1000), "n"),
+    (dict(length_penalty="long"), "length_penalty"),
+    (dict(temperature=-1), "temperature"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=500), "prompt"),  # prompt + max_tokens > max_model_len (128)
+    (dict(early_stopping="sometimes"), "early_stopping"),
+    (dict(ignore_eos="yes"), "ignore_eos"),
+    (dict(top_p=0.5), "top_p"),
+    (dict(stop=["w3"]), "stop"),
+    (dict(logprobs=1), "logprobs"),
+    (dict(echo=True), "echo"),
+    (dict(use_beam_search="yes"), "use_beam_search"),
+    (dict(n=8, max_tokens=100), "max_tokens"),  # 8 beams x 100 tokens cannot fit in 16 blocks
+])
+def test_bad_values_are_400_with_openai_error_body(served, fields, param):
+    client, engine = served
+    r = _post(client, prompt=PROMPTS[0], **{"max_tokens": 4, **fields})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert err["param"] == param and err["message"]
+    assert engine.all_blocks_free() and not engine.has_unfinished_requests()
+
+
+def test_chat_refuses_beam_search(served):
+    client, _ = served
+    r = client.post("/v1/chat/completions", json={"model": "tiny", "use_beam_search": True,
+                                                  "messages": [{"role": "user", "content": "w3"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search"
+
+
+class _BusyEngine:
+    """Just enough of `LLMEngine` for `EngineLoop`: busy until `idle` is set; records what it was asked."""
+
+    def __init__(self):
+        self.idle = threading.Event()
+        self.added: list[str] = []
+
+    def has_unfinished_requests(self):
+        return not self.idle.is_set()
+
+    def step(self):
+        time.sleep(0.005)
+        return []
+
+    def add_request(self, rid, prompt, params, arrival_time=None):
+        self.added.append(rid)
+        self.idle.clear()
+
+    def abort_request(self, rids):
+        pass
+
+    def stats(self):
+        return None
+
+    def kv_pool_info(self):
+        return {}
+
+
+def test_engine_loop_runs_a_job_only_when_idle_holds_new_requests_and_drops_cancelled_jobs():
+    import asyncio
+
+    from minfer.sampling_params import SamplingParams
+    from minfer.serve.engine_loop import EngineLoop
+
+    engine = _BusyEngine()
+    loop = EngineLoop(engine)
+    ran = []
+
+    async def scenario():
+        jobs, adds = asyncio.Queue(), asyncio.Queue()
+        loop.run_when_idle("j1", lambda e: ran.append("j1") or "result", jobs)
+        loop.run_when_idle("j2", lambda e: ran.append("j2"), jobs)
+        loop.cancel_job("j2")  # its client left before it started
+        loop.add("r1", [1, 2], SamplingParams(max_tokens=2), adds, time.perf_counter())
+        await asyncio.sleep(0.3)
+        assert ran == [] and engine.added == [], "a job ran on a busy engine, or a request jumped the queue"
+        engine.idle.set()
+        assert await asyncio.wait_for(jobs.get(), 10) == ("j1", "done", "result")
+        assert await asyncio.wait_for(adds.get(), 10) == ("r1", "added", None)  # released after the job
+        loop.run_when_idle("j3", lambda e: 1 / 0, jobs)
+        engine.idle.set()
+        rid, kind, exc = await asyncio.wait_for(jobs.get(), 10)
+        assert (rid, kind, type(exc)) == ("j3", "error", ZeroDivisionError)
+        assert loop.alive  # a failed job answers its own request; the loop goes on
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        loop.stop()
+    assert ran == ["j1"] and engine.added == ["r1"]
