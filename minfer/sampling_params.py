@@ -9,6 +9,7 @@ field and its allowed range, before any request reaches the engine.
 from __future__ import annotations
 
 import numbers
+import re
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
@@ -120,8 +121,10 @@ class SamplingParams:
                                      f"an integer in [0, {MAX_LOGPROBS}] or None", optional=True)
         self.presence_penalty = self._number("presence_penalty", _as_float, lambda v: -2 <= v <= 2, "in [-2, 2]")
         self.frequency_penalty = self._number("frequency_penalty", _as_float, lambda v: -2 <= v <= 2, "in [-2, 2]")
-        self.repetition_penalty = self._number("repetition_penalty", _as_float, lambda v: 0 < v < float("inf"),
-                                               "a finite number > 0 (1 means off)")
+        # Bounded so that the penalty and its inverse stay normal float32 numbers: the sampler divides and
+        # multiplies float32 logits by it, and 1e-39 would be 0 there (logits of seen tokens become inf).
+        self.repetition_penalty = self._number(
+            "repetition_penalty", _as_float, lambda v: 1e-30 <= v <= 1e30, "a number in [1e-30, 1e30] (1 means off)")
         self.min_tokens = self._number("min_tokens", _as_int, lambda v: v >= 0, "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"SamplingParams.min_tokens ({self.min_tokens}) must be at most max_tokens "
@@ -174,13 +177,16 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.logit_bias must be a dict {{token id: bias}}, got {self.logit_bias!r:.80}")
         out = {}
         for k, v in self.logit_bias.items():
-            tid = _as_int(k) if not isinstance(k, str) else (int(k) if k.strip().isdigit() else None)
+            # ASCII digits only: str.isdigit() also takes "²" and "٤٢", which int() refuses or reads silently.
+            tid = _as_int(k) if not isinstance(k, str) else (int(k) if re.fullmatch(r"[0-9]+", k.strip()) else None)
             bias = _as_float(v)
             if tid is None or tid < 0:
                 raise ValueError(f"SamplingParams.logit_bias keys must be token ids (integers >= 0), got {k!r:.40}")
             if bias is None or not -100 <= bias <= 100:
                 raise ValueError(f"SamplingParams.logit_bias values must be numbers in [-100, 100], got {v!r:.40} "
                                  f"for token {tid}")
+            if tid in out:
+                raise ValueError(f"SamplingParams.logit_bias names token {tid} twice ({k!r:.40})")
             out[tid] = bias
         self.logit_bias = out or None
 
@@ -270,8 +276,9 @@ class BeamSearchParams:
         if t is None or not 0 <= t < float("inf"):
             raise ValueError(f"BeamSearchParams.temperature must be a finite number >= 0, got {self.temperature!r}")
         lp = _as_float(self.length_penalty)
-        if lp is None or lp != lp or abs(lp) == float("inf"):
-            raise ValueError(f"BeamSearchParams.length_penalty must be a finite number, got {self.length_penalty!r}")
+        # |length_penalty| <= 10 keeps len ** length_penalty a finite float64 for any length a model allows.
+        if lp is None or lp != lp or abs(lp) > 10:
+            raise ValueError(f"BeamSearchParams.length_penalty must be a number in [-10, 10], got {self.length_penalty!r}")
         if self.early_stopping not in (True, False, "never"):
             raise ValueError("BeamSearchParams.early_stopping must be True, False or 'never', "
                              f"got {self.early_stopping!r}")

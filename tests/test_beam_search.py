@@ -47,6 +47,8 @@ def test_fork_shares_blocks_and_copy_on_write_copies_only_the_shared_partial_blo
 @pytest.mark.parametrize("kw,field", [({"beam_width": 0}, "beam_width"), ({"max_tokens": 0}, "max_tokens"),
                                       ({"temperature": -1}, "temperature"),
                                       ({"length_penalty": float("nan")}, "length_penalty"),
+                                      ({"length_penalty": 1e300}, "length_penalty"),
+                                      ({"length_penalty": -11}, "length_penalty"),
                                       ({"early_stopping": "sometimes"}, "early_stopping")])
 def test_bad_params_are_clear_errors(kw, field):
     args = {"beam_width": 2, "max_tokens": 4, **kw}

@@ -101,7 +101,11 @@ def test_mixed_batch_rows_are_independent(logits):
                                          ("repetition_penalty", 0), ("repetition_penalty", float("inf")),
                                          ("min_tokens", -1), ("min_tokens", 17), ("logit_bias", {1: 101}),
                                          ("logit_bias", {"x": 1}), ("logit_bias", [1, 2]),
-                                         ("prompt_logprobs", 21), ("prompt_logprobs", -1)])
+                                         ("prompt_logprobs", 21), ("prompt_logprobs", -1),
+                                         # 0 and inf in float32, where the sampler applies them
+                                         ("repetition_penalty", 1e-39), ("repetition_penalty", 1e300),
+                                         ("logit_bias", {"²": 1}), ("logit_bias", {"٤٢": 1}),
+                                         ("logit_bias", {"5": 1, "05": 2})])
 def test_bad_values_are_clear_errors(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(max_tokens=16, **{field: value})

@@ -96,6 +96,20 @@ def test_deltas_rebuild_the_cumulative_snapshots():
             assert got.logprobs == want.logprobs
     assert sent == {} and "r" not in client._routes  # finished: forgotten on both sides
     assert len(q) == len(steps)
+    assert q[-1][2].prompt_token_ids == [1, 2, 3]  # the final snapshot carries the prompt (echo reads it)
+
+
+def test_echo_scoring_through_the_engine_process(server):
+    """`echo` + `logprobs` + `max_tokens: 0` (lm-evaluation-harness's request) needs the prompt's ids and
+    logprobs, which cross the process boundary with the last row."""
+    r = httpx.post(server + "/v1/completions", timeout=60, json={
+        "model": "smollm2-135m-instruct", "prompt": "The capital of France is", "max_tokens": 0,
+        "echo": True, "logprobs": 2})
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    assert r.json()["choices"][0]["text"] == "The capital of France is"
+    assert lp["token_logprobs"][0] is None and len(lp["tokens"]) == len(lp["token_logprobs"]) > 3
+    assert all(x < 0 for x in lp["token_logprobs"][1:])
 
 
 def test_a_step_message_carries_only_the_new_tokens():
@@ -243,3 +257,11 @@ def test_no_engine_process_flag_serves_in_process():
         r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 4,
                                                       "temperature": 0}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_beam_search_says_it_needs_the_in_process_engine(server):
+    r = httpx.post(server + "/v1/completions", timeout=30, json={
+        "model": "smollm2-135m-instruct", "prompt": "Hi", "max_tokens": 4, "use_beam_search": True, "n": 2})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "use_beam_search" and "--no-engine-process" in err["message"]

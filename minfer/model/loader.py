@@ -40,10 +40,14 @@ class LoadedModel:
 
 
 def read_json(path: Path) -> dict:
+    """A JSON object file as a dict. Raises ValueError naming the file if it is not valid JSON or not an object."""
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object {{...}}, got {type(data).__name__}")
+    return data
 
 
 def hf_config(path: Path) -> tuple[ModelConfig, tuple]:

@@ -146,6 +146,11 @@ async def serve_beam_search(serving, request: Request, body: dict, prompts: list
         APIError(500): the search failed.
     """
     params, n, max_tokens = beam_search_params(body)
+    if not hasattr(serving.engine_loop, "run_when_idle"):
+        # The search steps the executor itself, between the engine's steps; the engine-core process has no
+        # such job yet (chapter 9, §9.2.1). Say so instead of failing inside the request.
+        raise APIError(400, "use_beam_search runs only with the in-process engine in this version: start the "
+                       "server with --no-engine-process", param="use_beam_search")
     per_prompt = _per_prompt(serving.engine, prompts, params, max_tokens, default_max_tokens)
     decode = serving.engine.tokenizer.decode
 

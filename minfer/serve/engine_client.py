@@ -280,6 +280,8 @@ class MPEngineClient:
                     outs[index] = OutputSnapshot(index, old.text[:c0] + new_text, old.token_ids[:t0] + new_ids,
                                                  lp, reason, stop_reason)
                 snap = RequestSnapshot(rid, n_prompt, [outs[i] for i in sorted(outs)], finished, n_cached)
+                if finished and fin:
+                    snap.prompt_token_ids, snap.prompt_logprobs = fin[3], fin[4]
                 if ttft is not None:
                     ttft = now - route.arrival if ttft < 0 else ttft
                     self.recent_ttfts.append((time.time(), ttft))
@@ -288,7 +290,7 @@ class MPEngineClient:
                 if finished:
                     self._routes.pop(rid, None)
                     if self.metrics is not None:
-                        itl, tpot, e2e = fin or ([], None, None)
+                        itl, tpot, e2e = fin[:3] if fin else ([], None, None)
                         reason = next((o.finish_reason for o in snap.outputs if o.finish_reason), None)
                         self.metrics.observe_finished(reason, itl, tpot, e2e if e2e is not None
                                                       else now - route.arrival)

@@ -87,8 +87,11 @@ def encode_step(outputs, sent: dict[str, _Sent], now: float) -> list:
         fin = None
         if out.finished:
             sent.pop(out.request_id, None)
+            # The prompt's ids and logprobs travel once, with the last row (echo and scoring read them).
+            plp = getattr(out, "prompt_logprobs", None)
             fin = [list(m.itl) if m is not None else [], m.tpot if m is not None else None,
-                   m.e2e if m is not None else None]
+                   m.e2e if m is not None else None, list(out.prompt_token_ids or []),
+                   list(plp) if plp else None]
         rows.append([out.request_id, len(out.prompt_token_ids or []), getattr(out, "num_cached_tokens", 0) or 0,
                      bool(out.finished), ttft, fin, comps])
     return rows

@@ -69,7 +69,9 @@ def echo(value, limit: int = 100) -> str:
 def param_of(exc: Exception) -> str | None:
     """The field a SamplingParams/engine ValueError names ("SamplingParams.top_p must be ..." -> "top_p")."""
     m = re.search(r"SamplingParams\.(\w+)", str(exc))
-    return m.group(1) if m else None
+    if m:
+        return m.group(1)
+    return "logit_bias" if str(exc).startswith("logit_bias") else None  # the engine's vocabulary check
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -122,7 +124,9 @@ def _reject_unsupported(body: dict, chat: bool) -> None:
     def nonzero(v):
         return v not in (None, 0, 0.0, False, {}, [], "")
 
-    checks = {"best_of": lambda v: v not in (None, 1) and v != body.get("n", 1)}
+    checks = {"best_of": lambda v: v not in (None, 1) and v != body.get("n", 1),
+              # vLLM's extra field; here the prompt's logprobs come from echo + logprobs on /v1/completions.
+              "prompt_logprobs": lambda v: v is not None}
     if chat:
         checks.update({"tools": nonzero, "functions": nonzero,
                        "response_format": lambda v: v not in (None, {}) and not (isinstance(v, dict)
@@ -131,7 +135,9 @@ def _reject_unsupported(body: dict, chat: bool) -> None:
         checks.update({"suffix": nonzero})
     for name, is_set in checks.items():
         if name in body and is_set(body[name]):
-            raise APIError(400, f"'{name}' is not supported by minfer", param=name)
+            hint = ("; for the prompt's logprobs send echo: true with logprobs: N to /v1/completions"
+                    if name == "prompt_logprobs" else "")
+            raise APIError(400, f"'{name}' is not supported by minfer{hint}", param=name)
 
 
 def _chat_logprobs_setting(body: dict) -> int | None:
@@ -243,7 +249,12 @@ def fit_max_tokens(params: SamplingParams, prompt_len: int, max_model_len: int,
     room = max_model_len - prompt_len
     if params.max_tokens is not None or room < 1:
         return params
-    return params.clone(max_tokens=room if default is None else min(default, room))
+    try:
+        return params.clone(max_tokens=room if default is None else min(default, room))
+    except ValueError as exc:  # e.g. min_tokens above the max_tokens filled in here: the client's field is wrong
+        param = "min_tokens" if "min_tokens" in str(exc) else "max_tokens"
+        raise APIError(400, f"{str(exc).replace('SamplingParams.', '')} (max_tokens was not given; it defaults "
+                       f"to {room if default is None else min(default, room)} here)", param=param) from None
 
 
 def _is_ids(x) -> bool:

@@ -139,6 +139,12 @@ async def completions(request: Request):
     echo_on, score_only = echo_setting(body)
     echo_prompts = None
     if echo_on:  # a prompt given as token ids is echoed as their text
+        vocab = serving.engine.model_config.vocab_size
+        for ids in prompts:  # checked before decoding: the tokenizer overflows on ids outside [0, 2**32)
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise APIError(400, f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}",
+                               param="prompt")
         echo_prompts = [t if isinstance(t, str) else serving.engine.tokenizer.decode(ids, skip_special_tokens=False)
                         for t, ids in zip(texts, prompts)]
     return await serving.generate(request, body, prompts, params, chat=False, model=model, id_prefix="cmpl",
