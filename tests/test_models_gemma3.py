@@ -84,3 +84,14 @@ def test_greedy_through_paged_engine_equals_transformers(llm, hf, ids):
     out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True))[0]
     assert out.outputs[0].token_ids == ref[0, len(ids):].tolist()
     assert llm.llm_engine.all_blocks_free()
+
+
+def test_gguf_quantization_reads_the_norms_as_the_float_path_does(llm):
+    """`quantization="gguf"` reads the file through `load_gguf_blocks`; Gemma's norms there are 1 + w, as in
+    the float path, or every layer is scaled wrong (the output was garbage before). Greedy text must match."""
+    from minfer import LLM, SamplingParams
+
+    q = LLM(model="gemma3-270m", max_model_len=256, quantization="gguf", attention_backend="torch", device="cpu")
+    p = SamplingParams(temperature=0, max_tokens=8)
+    assert (q.generate("The capital of France is", p)[0].outputs[0].token_ids
+            == llm.generate("The capital of France is", p)[0].outputs[0].token_ids)

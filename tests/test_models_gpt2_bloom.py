@@ -53,9 +53,24 @@ def make_model(path, case, seed=0, **overrides):
             if name.endswith("wpe.weight"):
                 p.normal_(0, 0.5)
     hf.save_pretrained(path)
-    shutil.copy(TOKENIZER, path / "tokenizer.model")
-    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    save_tokenizer(path)
     return hf
+
+
+def save_tokenizer(path):
+    """stories260K's 512-piece SentencePiece model where ../shared has it, else a 512-word word-level
+    tokenizer (the tests compare token ids only, so either serves; a checkout without ../shared still runs)."""
+    if TOKENIZER.is_file():
+        shutil.copy(TOKENIZER, path / "tokenizer.model")
+        (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+        return
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = [f"w{i}" for i in range(VOCAB)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=words[0], bos_token=words[1],
+                                         eos_token=words[2]).save_pretrained(path)
 
 
 def hf_greedy(hf, ids, n):

@@ -219,4 +219,13 @@ def load_gguf_blocks(path: Path) -> tuple[ModelConfig, tuple, Iterator[tuple[str
 
     reader = open_gguf(path)
     cfg, eos = gguf_config(reader, path)
-    return cfg, eos, ((b.name, gguf_tensor(b, cfg, unpermute_rope)) for b in iter_gguf_blocks(reader))
+    plus_one = gguf_field(reader, "general.architecture") in NORM_PLUS_ONE
+
+    def tensors():
+        for b in iter_gguf_blocks(reader):
+            t = gguf_tensor(b, cfg, unpermute_rope)
+            if plus_one and b.name.endswith("norm.weight"):  # the same rule as `iter_gguf`: HF stores w
+                t = t - 1.0
+            yield b.name, t
+
+    return cfg, eos, tensors()
