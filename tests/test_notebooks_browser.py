@@ -17,7 +17,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,18 +25,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_serve_browser import _missing, browser  # noqa: F401  (the shared headless-chromium fixture)
+from tests.serving import free_port
+from tests.test_serve_browser import _missing, _wait, browser  # noqa: F401  (the shared headless-chromium fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = os.environ.get("MINFER_BROWSER_NOTEBOOK", "11_prefix_caching.ipynb")
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +44,7 @@ def lab():
     pytest.importorskip("jupyterlab")
     scratch = Path(tempfile.mkdtemp(prefix=".browser-run-", dir=ROOT / "notebooks"))
     shutil.copy(ROOT / "notebooks" / NOTEBOOK, scratch / NOTEBOOK)
-    port, token = _free_port(), secrets.token_hex(16)
+    port, token = free_port(), secrets.token_hex(16)
     log = open(scratch / "lab.log", "w")
     env = dict(os.environ, MPLBACKEND="module://matplotlib_inline.backend_inline",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -84,15 +79,6 @@ def lab():
         log.close()
         shutil.rmtree(scratch, ignore_errors=True)
 
-
-def _wait(predicate, timeout: float, what: str, interval: float = 0.5):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def test_run_all_cells_in_jupyterlab(lab, browser):  # noqa: F811
@@ -132,7 +118,7 @@ def test_run_all_cells_in_jupyterlab(lab, browser):  # noqa: F811
         p = prompts()
         return p and "[*]:" not in p and any(t not in ("[ ]:", "") for t in p) and kernel_idle()
 
-    _wait(finished, 480, f"the notebook to run ({prompts()})", interval=2)
+    _wait(finished, 480, "the notebook to run", interval=2)
     ran = [t for t in prompts() if t not in ("[ ]:", "")]
     figures = browser.find_elements(By.CSS_SELECTOR, ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-RenderedImage img")
     mtime = path.stat().st_mtime
