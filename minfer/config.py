@@ -46,6 +46,9 @@ def torch_dtype(name: str):
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
+MAX_SPECULATIVE_TOKENS = 64  # upper bound on num_speculative_tokens (k)
+
+
 @dataclass
 class SpeculativeConfig:
     """Speculative decoding, in vLLM's `speculative_config` shape (chapter 7b; Leviathan et al., 2023,
@@ -54,7 +57,7 @@ class SpeculativeConfig:
     Attributes:
         method: "ngram" (prompt lookup: the longest suffix n-gram found earlier in the sequence proposes the
             tokens that followed it) or "draft_model" (a smaller model sharing the target's tokenizer).
-        num_speculative_tokens: k, tokens proposed per step (>= 1); the target verifies k + 1 positions.
+        num_speculative_tokens: k, tokens proposed per step (1 <= k <= 64); the target verifies k + 1 positions.
         prompt_lookup_max / prompt_lookup_min: longest / shortest n-gram tried (ngram only; tokens).
         model: the draft model (draft_model only): anything `LLM(model=...)` loads.
         quantization: the draft's weight quantization, None (the draft's own weights as loaded, whatever the
@@ -110,8 +113,11 @@ class SpeculativeConfig:
             return isinstance(v, int) and not isinstance(v, bool)
 
         k = self.num_speculative_tokens
-        if not is_int(k) or k < 1:
-            raise ValueError(f"speculative_config num_speculative_tokens must be an integer >= 1, got {k!r}")
+        if not is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            # The bound: a step verifies k + 1 positions per sequence and the draft runs k forwards; past a few
+            # tokens the acceptance rate alpha^k makes more useless work, and k near max_model_len is a typo.
+            raise ValueError(f"speculative_config num_speculative_tokens must be an integer in "
+                             f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
         if self.method == "ngram":
             lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
             if not is_int(lo) or not is_int(hi) or lo < 1 or hi < lo:

@@ -124,7 +124,7 @@ def validate_prompt(prompt_token_ids: list[int], params: SamplingParams, max_mod
 
     Raises:
         ValueError: empty prompt, token ids outside the vocabulary, a prompt that leaves no room for output,
-            or prompt + max_tokens above max_model_len (the message states all three numbers).
+            or prompt + max_tokens (or + min_tokens) above max_model_len (the message states all three numbers).
     """
     n = len(prompt_token_ids)
     if n == 0:
@@ -144,3 +144,8 @@ def validate_prompt(prompt_token_ids: list[int], params: SamplingParams, max_mod
             f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} exceeds "
             f"max_model_len ({max_model_len}); at most {max_model_len - n} new tokens fit. "
             "Lower max_tokens or raise max_model_len.")
+    if params.min_tokens and n + params.min_tokens > max_model_len:  # max_tokens None: min_tokens can not be met
+        raise ValueError(
+            f"prompt ({n} tokens) + min_tokens ({params.min_tokens}) = {n + params.min_tokens} exceeds "
+            f"max_model_len ({max_model_len}); at most {max_model_len - n} new tokens fit. "
+            "Lower min_tokens or raise max_model_len.")

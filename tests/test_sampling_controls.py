@@ -134,3 +134,11 @@ def test_engine_min_tokens_and_logit_bias(llm):
     assert out.token_ids == [eos[0]] and out.finish_reason == "stop"
     with pytest.raises(ValueError, match="logit_bias"):
         llm.generate("Hi", SamplingParams(logit_bias={10 ** 7: 1.0}))
+
+
+def test_min_tokens_past_max_model_len_is_a_clear_error():
+    """With max_tokens None the output may run to max_model_len; a min_tokens past it can never be met."""
+    from minfer.sequence import validate_prompt
+    validate_prompt([1, 2, 3], SamplingParams(max_tokens=None, min_tokens=13), max_model_len=16, vocab_size=32)
+    with pytest.raises(ValueError, match="min_tokens .14. .* exceeds max_model_len .16.; at most 13"):
+        validate_prompt([1, 2, 3], SamplingParams(max_tokens=None, min_tokens=14), max_model_len=16, vocab_size=32)

@@ -244,6 +244,7 @@ def test_sampled_engine_output_has_the_target_distribution(models):
     (dict(method="ngram", num_speculative_tokens=0), "num_speculative_tokens"),
     (dict(method="ngram", num_speculative_tokens=-2), "num_speculative_tokens"),
     (dict(method="ngram", num_speculative_tokens=2.5), "num_speculative_tokens"),
+    (dict(method="ngram", num_speculative_tokens=65), r"num_speculative_tokens must be an integer in \[1, 64\]"),
     (dict(method="eagle", num_speculative_tokens=2), "method"),
     (dict(num_speculative_tokens=2), "method"),
     (dict(method="ngram", num_speculative_tokens=2, prompt_lookup_min=3, prompt_lookup_max=2), "prompt_lookup"),
