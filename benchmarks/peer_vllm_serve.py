@@ -3,6 +3,7 @@ on the same HF model directory (float32), each loaded in turn and driven by one 
 
     python benchmarks/peer_vllm_serve.py [--vllm /tmp/vllm-venv/bin/vllm] [--model-dir /tmp/smollm2-hf]
         [--num-prompts 48] [--input-len 192] [--output-len 48] [--concurrency 16] [--repeats 2] [--json PATH]
+        [--minfer-args "--enable-chunked-prefill ..."]
 
 The client is `minfer.bench serve` (`vllm bench serve`'s metrics: streamed `/v1/completions`, random token-id
 prompts, `ignore_eos`, TTFT/TPOT/ITL as vLLM defines them); with `--vllm-client` the same install's
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import socket
 import statistics
@@ -104,7 +106,8 @@ def server_cmd(which: str, args, port: int) -> tuple[list[str], dict]:
         return [args.vllm, "serve", str(args.model_dir), *common, "--enforce-eager",
                 "--disable-log-requests" if args.old_log_flag else "--no-enable-log-requests"], vllm_env()
     return ([sys.executable, "-m", "minfer.serve", "--model", str(args.model_dir), *common,
-             "--kv-cache-memory-bytes", str(1 << 30), "--disable-log-requests", "--uvicorn-log-level", "warning"],
+             "--kv-cache-memory-bytes", str(1 << 30), "--disable-log-requests", "--uvicorn-log-level", "warning",
+             *shlex.split(args.minfer_args)],
             {**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
@@ -148,7 +151,9 @@ def measure(which: str, args) -> dict:
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc)
+        load = os.getloadavg()[0]
         res = {"client_minfer": run_client(url, args)}
+        res["load_average_1min"] = [round(load, 2), round(os.getloadavg()[0], 2)]  # at the start and the end
         if args.vllm_client:
             res["client_vllm"] = run_vllm_client(url, args, port)
         return res
@@ -175,6 +180,7 @@ def main(argv=None) -> int:
     ap.add_argument("--vllm-client", action="store_true", help="also run `vllm bench serve` against both")
     ap.add_argument("--old-log-flag", action="store_true", help="pass vLLM --disable-log-requests (older vLLMs)")
     ap.add_argument("--log-dir", default=tempfile.gettempdir())
+    ap.add_argument("--minfer-args", default="", help="extra flags for `python -m minfer.serve` (one string)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if not Path(args.vllm).exists():
