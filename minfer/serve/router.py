@@ -353,7 +353,7 @@ class DPEngineClient:
     # --- what /v1/stats and the start-up log read ----------------------------------------------------------
     @property
     def engine_view(self):
-        return self.clients[0].engine_view
+        return getattr(self.clients[0], "engine_view", None)  # None for in-process `EngineLoop`s
 
     @property
     def engine_pid(self):
