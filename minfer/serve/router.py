@@ -366,11 +366,11 @@ class DPEngineClient:
     @property
     def latest_stats(self) -> dict:
         """The replicas' numeric statistics summed (ratios averaged), and each replica's under "replicas"."""
-        per = [dict(c.latest_stats or {}) for c in self.clients]
+        per = [{**(c.latest_stats or {}), "engine_pid": getattr(c, "engine_pid", None)} for c in self.clients]
         total: dict = {}
         for stats in per:
             for k, v in stats.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "engine_pid":
                     total[k] = total.get(k, 0) + v
         for k in ("kv_cache_usage", "fragmentation"):
             if k in total:
