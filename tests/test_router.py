@@ -26,7 +26,8 @@ from minfer.serve.engine_loop import EngineLoop
 from minfer.serve.metrics import ServerMetrics
 from minfer.serve.protocol import APIError
 from minfer.serve.router import (
-    DPEngineClient, LeastOutstandingPolicy, PrefixAwarePolicy, RoundRobinPolicy, make_policy, prefix_key)
+    DPEngineClient, LeastOutstandingPolicy, PrefixAwarePolicy, RoundRobinPolicy, make_policy, num_replicas,
+    prefix_key)
 from tests.fake_engine import FakeEngine
 from tests.serving import server_in_thread
 
@@ -256,6 +257,15 @@ def test_16_concurrent_streams_over_two_replicas_have_no_errors():
 # ----------------------------------------------------------------------------------------------------------
 # Bad sizes
 # ----------------------------------------------------------------------------------------------------------
+def test_replicas_from_gpus_the_articles_example():
+    assert num_replicas(8, tensor_parallel_size=2) == 4  # article §14: 8 GPUs, TP=2 -> 4 replicas
+    assert num_replicas(8, 2, 2) == 2 and num_replicas(1) == 1
+    with pytest.raises(ValueError, match="do not split"):
+        num_replicas(8, 3)
+    with pytest.raises(ValueError, match="num_gpus"):
+        num_replicas(0)
+
+
 @pytest.mark.parametrize("size", [0, -1, 1.5, True, "2"])
 def test_bad_data_parallel_sizes_are_refused(size):
     with pytest.raises(ValueError, match="data_parallel_size"):

@@ -54,6 +54,22 @@ logger = logging.getLogger("minfer.serve")
 ROUTER_POLICIES = ("round_robin", "least_outstanding", "prefix_aware")
 
 
+def num_replicas(num_gpus: int, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> int:
+    """How many whole-model replicas `num_gpus` devices make when each replica uses TP x PP of them (§14).
+
+    Raises:
+        ValueError: a size < 1, or `num_gpus` not a multiple of TP x PP (devices would sit idle).
+    """
+    for name, v in (("num_gpus", num_gpus), ("tensor_parallel_size", tensor_parallel_size),
+                    ("pipeline_parallel_size", pipeline_parallel_size)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    per_replica = tensor_parallel_size * pipeline_parallel_size
+    if num_gpus % per_replica:
+        raise ValueError(f"{num_gpus} GPUs do not split into replicas of TP x PP = {per_replica} GPUs")
+    return num_gpus // per_replica
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Routing policies: (prompt token ids, load per replica, live replicas) -> replica index
 # ----------------------------------------------------------------------------------------------------------
