@@ -148,6 +148,18 @@ async def _drive(dp, prompts: list[list[int]], params: list[SamplingParams], con
     return {"wall_s": time.perf_counter() - t0, "output_tokens": out_tokens, "errors": errors}
 
 
+def _run(coro):
+    """`asyncio.run(coro)`, in a thread of its own where an event loop already runs (a notebook)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
 def _settled_stats(dp, timeout: float = 5.0) -> list[dict]:
     """Each replica's latest stats once every replica is idle (the engines report after their last step)."""
     deadline = time.time() + timeout
@@ -186,7 +198,7 @@ def run_hit_rate(engine_args: EngineArgs, s: Settings, policies=POLICIES, in_pro
                 prompts, which = shared_prompt_workload(s, dp.engine_view.model_config.vocab_size
                                                         if dp.engine_view else _vocab(dp))
             params = [SamplingParams(max_tokens=s.max_tokens, temperature=0.0, ignore_eos=True) for _ in prompts]
-            res = asyncio.run(_drive(dp, prompts, params, s.concurrency))
+            res = _run(_drive(dp, prompts, params, s.concurrency))
             per = _settled_stats(dp)
             routed = _routed(dp)
             blocks = dp.kv_pool_info["replicas"][0].get("num_blocks")
@@ -248,8 +260,8 @@ def run_throughput(engine_args: EngineArgs, s: Settings, in_process: bool = Fals
                 prompts = [[rng.randrange(3, vocab - 1) for _ in range(rng.randint(*s.tp_prompt_len))]
                            for _ in range(s.tp_num_requests)]
             params = [SamplingParams(max_tokens=s.tp_output_len, temperature=0.0, ignore_eos=True) for _ in prompts]
-            asyncio.run(_drive(dp, prompts[:2], params[:2], 2))  # warm-up
-            res = asyncio.run(_drive(dp, prompts, params, s.tp_concurrency))
+            _run(_drive(dp, prompts[:2], params[:2], 2))  # warm-up
+            res = _run(_drive(dp, prompts, params, s.tp_concurrency))
             routed = _routed(dp)
         finally:
             dp.stop()
