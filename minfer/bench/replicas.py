@@ -7,8 +7,8 @@ Two parts, each measured through `minfer.serve.router.DPEngineClient` (the clien
 
 1. hit_rate - a workload with shared system prompts: `num_system_prompts` different system prompts, each
    request one of them (chosen at random) + its own user turn, a few output tokens. Each replica's KV pool
-   holds about `pool_fraction` of all the system prompts' blocks, as a real deployment with more prefixes
-   than cache. The prefix-cache hit rate (prompt tokens found in the cache / prompt tokens looked up, summed
+   (`kv_blocks_per_replica`) holds about half of all the system prompts' blocks, as a real deployment with
+   more prefixes than cache. The prefix-cache hit rate (prompt tokens found in the cache / prompt tokens looked up, summed
    over the replicas' `engine.stats()`) for each routing policy, on fresh replicas each time.
    Target: prefix_aware >= 1.5x round_robin.
 2. throughput - the same random requests (no shared prefixes) with 1 and with 2 replicas (least_outstanding),
