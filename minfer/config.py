@@ -214,8 +214,8 @@ class EngineArgs:
             int4); parsed into a dict here.
         tensor_parallel_size, pipeline_parallel_size, kv_cache_dtype: later chapters.
         data_parallel_size: whole-model replicas (engine processes) behind the server's router
-            (`minfer.serve.router`, chapter 12b), an integer >= 1; one `LLMEngine` is one replica, so it
-            is only the server that reads it (`python -m minfer.serve --data-parallel-size N`).
+            (`minfer.serve.router`, chapter 12b), an integer >= 1; one `LLMEngine` is one replica and
+            refuses > 1, so it is only the server that runs N (`python -m minfer.serve --data-parallel-size N`).
         speculative_config: None, or vLLM's dict `{"method": "ngram" | "draft_model", "num_speculative_tokens":
             k, ...}` (a JSON string is accepted); parsed into `SpeculativeConfig` (chapter 7b).
     """

@@ -272,6 +272,13 @@ def test_bad_data_parallel_sizes_are_refused(size):
         EngineArgs(data_parallel_size=size)
 
 
+def test_an_engine_is_one_replica():
+    from minfer.engine import LLMEngine
+
+    with pytest.raises(ValueError, match="one replica"):
+        LLMEngine(EngineArgs(data_parallel_size=2))
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--data-parallel-size", "0"], "data_parallel_size must be an integer >= 1"),
     (["--data-parallel-size", "-2"], "data_parallel_size must be an integer >= 1"),
