@@ -7,7 +7,8 @@
 - An external router: vllm-router (PyPI, its own venv; set MINFER_VLLM_ROUTER to its executable or put it
   on PATH) in front of two `python -m minfer.serve` processes, 16 concurrent requests with 0 errors and
   both servers used. Skipped when vllm-router is not installed.
-- `python -m minfer.bench replicas --in-process --quick`: prefix_aware's hit rate >= 1.5x round_robin's.
+- `minfer.bench.replicas` on in-process replicas: prefix_aware's hit rate >= 1.5x round_robin's; every
+  output token counted with 1 and 2 replicas.
 
     pytest -q tests/test_replicas.py
 """
@@ -174,3 +175,15 @@ def test_bench_prefix_aware_beats_round_robin(tiny):
     assert all(row["errors"] == 0 for row in rows.values())
     assert rows["prefix_aware"]["hit_rate"] >= 1.5 * rows["round_robin"]["hit_rate"], rows
     assert rows["prefix_aware"]["hit_rate"] <= r["ideal_hit_rate"] + 1e-9
+
+
+def test_bench_throughput_counts_every_token(tiny):
+    from minfer.bench.replicas import Settings, run_throughput
+    from minfer.config import EngineArgs
+
+    s = Settings.quick()
+    r = run_throughput(EngineArgs(model=tiny, max_model_len=256), s, in_process=True, progress=lambda *_: None)
+    assert [row["replicas"] for row in r["runs"]] == [1, 2]
+    for row in r["runs"]:
+        assert row["errors"] == 0 and row["output_tokens"] == s.tp_num_requests * s.tp_output_len
+    assert r["runs"][1]["requests_per_replica"] == [9, 9]  # 16 + 2 warm-up, spread by least_outstanding
