@@ -219,6 +219,9 @@ class EngineArgs:
         quantization_config: the method's settings, a dict or a JSON object string ({"group_size": 64} for
             int4); parsed into a dict here.
         tensor_parallel_size, pipeline_parallel_size, kv_cache_dtype: later chapters.
+        data_parallel_size: whole-model replicas (engine processes) behind the server's router
+            (`minfer.serve.router`, chapter 12b), an integer >= 1; one `LLMEngine` is one replica and
+            refuses > 1, so it is only the server that runs N (`python -m minfer.serve --data-parallel-size N`).
         speculative_config: None, or vLLM's dict `{"method": "ngram" | "draft_model", "num_speculative_tokens":
             k, ...}` (a JSON string is accepted); parsed into `SpeculativeConfig` (chapter 7b).
     """
@@ -241,6 +244,7 @@ class EngineArgs:
     enforce_eager: bool = True
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
     quantization: str | None = None
     quantization_config: dict | str | None = None
     kv_cache_dtype: str = "auto"
@@ -258,7 +262,8 @@ class EngineArgs:
 
         import math
 
-        for name in ("seed", "block_size", "max_num_seqs", "tensor_parallel_size", "pipeline_parallel_size"):
+        for name in ("seed", "block_size", "max_num_seqs", "tensor_parallel_size", "pipeline_parallel_size",
+                     "data_parallel_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool):
                 raise bad(name, "an integer")
@@ -297,6 +302,8 @@ class EngineArgs:
         if self.attention_backend == "cpu" and self.dtype in ("bfloat16", "float16"):
             raise ValueError(f"attention_backend='cpu' runs float32 only; got dtype={self.dtype!r} "
                              "(use attention_backend='auto' or 'torch' for it)")
+        if self.data_parallel_size < 1:
+            raise bad("data_parallel_size", "an integer >= 1 (replicas of the whole model)")
         if self.tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} {_NOT_BUILT}")
         if self.pipeline_parallel_size != 1:

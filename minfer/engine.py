@@ -105,6 +105,9 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs):
         args.verify()
+        if args.data_parallel_size != 1:  # one engine is one replica; N of them are the server's (chapter 12b)
+            raise ValueError(f"data_parallel_size={args.data_parallel_size}: an LLMEngine (and LLM) is one replica; "
+                             "run replicas with python -m minfer.serve --data-parallel-size N")
         self.args = args
         t0 = time.perf_counter()
         self.executor = UniProcExecutor(args)

@@ -13,6 +13,8 @@ Split as vLLM's `vllm/entrypoints/openai/`, one job a module, in the order a req
 - `EngineLoop`: the engine's own thread and its bridge to asyncio (`engine_loop.py`): the in-process client.
 - `MPEngineClient`: the engine core in a process of its own, over ZMQ (`engine_client.py`; the process body is
   `engine_core.py`); what `python -m minfer.serve` uses unless `--no-engine-process`.
+- `DPEngineClient`: N engine clients (replicas) behind a routing policy, with one client's interface
+  (`router.py`); what `--data-parallel-size N` uses (chapter 12b).
 - `ServerMetrics`: the Prometheus metrics (`metrics.py`).
 """
 
@@ -21,7 +23,8 @@ from minfer.serve.engine_loop import EngineLoop
 from minfer.serve.limits import ServerLimits
 from minfer.serve.metrics import ServerMetrics
 from minfer.serve.protocol import APIError
+from minfer.serve.router import DPEngineClient
 from minfer.serve.routes import build_app
 
-__all__ = ["APIError", "EngineLoop", "EngineView", "InprocClient", "MPEngineClient", "ServerLimits", "ServerMetrics",
+__all__ = ["APIError", "DPEngineClient", "EngineLoop", "EngineView", "InprocClient", "MPEngineClient", "ServerLimits", "ServerMetrics",
            "build_app"]

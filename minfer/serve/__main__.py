@@ -19,6 +19,7 @@ from dataclasses import fields
 
 from minfer.config import ATTENTION_BACKENDS, DEFAULT_MODEL, EngineArgs
 from minfer.serve.limits import ServerLimits
+from minfer.serve.router import ROUTER_POLICIES
 
 logger = logging.getLogger("minfer.serve")
 
@@ -64,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
       help=f"GPUs to shard each layer over (default: {d['tensor_parallel_size']}; >1 not built)")
     a("--pipeline-parallel-size", "-pp", type=int, metavar="N", default=d["pipeline_parallel_size"],
       help=f"pipeline stages (default: {d['pipeline_parallel_size']}; >1 not built)")
+    a("--data-parallel-size", "-dp", type=int, metavar="N", default=d["data_parallel_size"],
+      help="replicas of the whole model, each an engine process, behind this server's router (chapter 12b; "
+           f"default: {d['data_parallel_size']})")
+    a("--router-policy", choices=list(ROUTER_POLICIES), default="round_robin",
+      help="how requests are spread over the replicas: round_robin, least_outstanding, or prefix_aware "
+           "(prompts with the same first KV blocks go to the same replica) (default: round_robin)")
     a("--max-model-len", type=int, metavar="N", default=d["max_model_len"],
       help="most tokens per sequence, prompt + output (tokens; default: the model's limit)")
     a("--gpu-memory-utilization", type=float, metavar="FRAC", default=d["gpu_memory_utilization"],
@@ -176,7 +183,8 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         preemption_mode=args.preemption_mode,
         attention_backend="triton" if args.enable_flash_attn else args.attention_backend,
         enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
-        pipeline_parallel_size=args.pipeline_parallel_size, quantization=args.quantization,
+        pipeline_parallel_size=args.pipeline_parallel_size, data_parallel_size=args.data_parallel_size,
+        quantization=args.quantization,
         quantization_config=args.quantization_config,
         kv_cache_dtype=args.kv_cache_dtype, device=args.device,
         speculative_config=getattr(args, "speculative_config", None))
@@ -208,7 +216,16 @@ def main(argv: list[str] | None = None) -> int:
 
     names = args.served_model_name or [engine_args.model]
     try:
-        if args.engine_process:  # the model loads in the engine process; this one gets a view of it
+        if engine_args.data_parallel_size > 1:  # N engine processes behind the router (chapter 12b)
+            from minfer.serve.router import DPEngineClient  # noqa: PLC0415
+
+            if not args.engine_process:
+                raise ValueError("--data-parallel-size > 1 runs one engine process per replica; drop "
+                                 "--no-engine-process")
+            engine_loop = DPEngineClient.from_engine_args(engine_args, names[0], policy=args.router_policy)
+            engine_loop.start()
+            engine = engine_loop.engine_view
+        elif args.engine_process:  # the model loads in the engine process; this one gets a view of it
             from minfer.serve.engine_client import MPEngineClient  # noqa: PLC0415
 
             engine_loop = MPEngineClient(engine_args, ServerMetrics(names[0]))

@@ -18,7 +18,7 @@ and put the same events on a request's asyncio queue: `(rid, "added", None)`, `(
   to the event loop in one `call_soon_threadsafe` per message. The thread also watches the process: when it
   dies, every in-flight request gets a "fatal" event at once and `alive` turns False.
 
-A replica router (the parallelism issue) holds one client per replica.
+`router.DPEngineClient` holds one client per replica behind a routing policy (chapter 12b).
 """
 
 from __future__ import annotations
