@@ -213,6 +213,8 @@ class EngineArgs:
         quantization_config: the method's settings, a dict or a JSON object string ({"group_size": 64} for
             int4); parsed into a dict here.
         tensor_parallel_size, pipeline_parallel_size, kv_cache_dtype: later chapters.
+        max_parallel_loading_workers: threads that read the checkpoint's tensors at load time (vLLM's flag;
+            None or 1: one thread); changes only how fast the model loads.
         speculative_config: None, or vLLM's dict `{"method": "ngram" | "draft_model", "num_speculative_tokens":
             k, ...}` (a JSON string is accepted); parsed into `SpeculativeConfig` (chapter 7b).
     """
@@ -240,6 +242,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     device: str | None = None
     speculative_config: dict | None = None  # vLLM's shape; see SpeculativeConfig (parsed in verify)
+    max_parallel_loading_workers: int | None = None  # threads reading checkpoint tensors (load time only)
 
     def __post_init__(self) -> None:
         self.verify()
@@ -291,6 +294,10 @@ class EngineArgs:
         if self.attention_backend == "cpu" and self.dtype in ("bfloat16", "float16"):
             raise ValueError(f"attention_backend='cpu' runs float32 only; got dtype={self.dtype!r} "
                              "(use attention_backend='auto' or 'torch' for it)")
+        if self.max_parallel_loading_workers is not None and (
+                not isinstance(self.max_parallel_loading_workers, int) or isinstance(self.max_parallel_loading_workers, bool)
+                or self.max_parallel_loading_workers < 1):
+            raise bad("max_parallel_loading_workers", "an integer >= 1 or None")
         if self.tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} {_NOT_BUILT}")
         if self.pipeline_parallel_size != 1:

@@ -62,8 +62,12 @@ def hf_config(path: Path) -> tuple[ModelConfig, tuple]:
     return cfg, eos
 
 
-def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(path: Path, max_workers: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) from `model.safetensors` or the shards listed in `model.safetensors.index.json`.
+
+    `max_workers` > 1 (vLLM's `--max-parallel-loading-workers`): the tensors are read by a pool of that many
+    threads (reading copies out of the memory-mapped file and releases the GIL), still yielded in the file's
+    order; at most 2 x max_workers tensors are read ahead, so memory stays bounded. Load-time I/O only.
 
     Raises:
         FileNotFoundError: no weights, or a shard named in the index is missing.
@@ -78,17 +82,35 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors weights found")
-    for fname in tqdm(files, desc="Loading safetensors shards", disable=len(files) < 2):
+    handles = []
+    for fname in files:
         fpath = path / fname
         if not fpath.is_file():
             raise FileNotFoundError(f"{fpath}: shard listed in {index.name} is missing")
         try:
-            f = safe_open(str(fpath), framework="pt")
+            handles.append(safe_open(str(fpath), framework="pt"))
         except Exception as e:
             raise ValueError(f"{fpath}: corrupt or unreadable safetensors file ({e})") from None
-        with f:
+    work = [(f, name) for f in handles for name in f.keys()]
+    if not max_workers or max_workers <= 1:
+        for f in tqdm(handles, desc="Loading safetensors shards", disable=len(files) < 2):
             for name in f.keys():
                 yield name, f.get_tensor(name)
+        return
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="minfer-load") as pool:
+        ahead: deque = deque()
+        todo = iter(work)
+        for f, name in todo:  # keep the pool busy, at most 2 x max_workers tensors read but not yet used
+            ahead.append((name, pool.submit(f.get_tensor, name)))
+            if len(ahead) >= 2 * max_workers:
+                n, fut = ahead.popleft()
+                yield n, fut.result()
+        while ahead:
+            n, fut = ahead.popleft()
+            yield n, fut.result()
 
 
 def load_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
@@ -189,7 +211,8 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None, device
 def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", device: str | torch.device | None = None,
                max_model_len: int | None = None, source: ModelSource | None = None,
                fused_ops: bool = False, linear_method: LinearMethodBase | None = None,
-               quantization: str | None = None, quantization_config: dict | str | None = None) -> LoadedModel:
+               quantization: str | None = None, quantization_config: dict | str | None = None,
+               max_parallel_loading_workers: int | None = None) -> LoadedModel:
     """Load a model by name (see `minfer.model.sources.resolve_model`) onto `device` in `dtype`.
 
     Args:
@@ -199,6 +222,8 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
         quantization, quantization_config: a weight-quantization method of `minfer.quantization` and its
             settings; the layers it keeps in float (the tied LM head) use `linear_method`. "gguf" reads a
             GGUF file's Q4_0/Q4_1 blocks as stored instead of the dequantized float32 cache.
+        max_parallel_loading_workers: threads reading checkpoint tensors (`iter_safetensors`; a GGUF's float32
+            cache too); None or 1: one.
 
     Returns:
         LoadedModel with the module in eval mode, its config and EOS ids.
@@ -217,11 +242,11 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
         cfg, eos, tensors = load_gguf_blocks(source.path)
         ckpt_dtype = "float32"
     elif source.kind == "gguf":
-        cfg, eos, tensors = load_gguf(source.path)
+        cfg, eos, tensors = load_gguf(source.path, max_workers=max_parallel_loading_workers)
         ckpt_dtype = "float32"
     else:
         cfg, eos = hf_config(source.path)
-        tensors = iter_safetensors(source.path)
+        tensors = iter_safetensors(source.path, max_parallel_loading_workers)
         ckpt_dtype = cfg.torch_dtype
     limit = cfg.max_position_embeddings
     if (cfg.rope_scaling or {}).get("rope_type") in ("linear", "dynamic"):
