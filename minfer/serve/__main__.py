@@ -206,9 +206,27 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size, quantization=args.quantization,
         quantization_config=args.quantization_config,
-        kv_cache_dtype=args.kv_cache_dtype, device=args.device,
+        kv_cache_dtype=kv_cache_dtype_from(args.kv_cache_dtype, args.dtype), device=args.device,
         speculative_config=getattr(args, "speculative_config", None),
         max_parallel_loading_workers=getattr(args, "max_parallel_loading_workers", None))
+
+
+_FLOAT_KV = {"fp16": "float16", "float16": "float16", "half": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16",
+             "fp32": "float32", "float32": "float32"}
+
+
+def kv_cache_dtype_from(kv_cache_dtype: str, dtype: str) -> str:
+    """--kv-cache-dtype as EngineArgs takes it. The article's command gives a float type ("fp16"): minfer keeps
+    the KV cache in the model's dtype, so a float type equal to --dtype means "auto"; another float type is
+    refused (not built), saying so. Anything else (auto, int8, fp8) goes to the engine as is."""
+    want = _FLOAT_KV.get(kv_cache_dtype.lower())
+    if want is None:
+        return kv_cache_dtype
+    if dtype == want:
+        return "auto"
+    raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} with --dtype {dtype}: a KV cache in another float type "
+                     "than the model's is not built in minfer (the KV cache is stored in the model's dtype); use "
+                     f"--kv-cache-dtype auto, or --dtype {want}")
 
 
 def _fmt_bytes(n) -> str:
