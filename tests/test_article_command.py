@@ -29,7 +29,7 @@ import pytest
 from tests.serving import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.timeout(420)
+pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
 
 # The article's command (§16), flag by flag, with values that fit a 2-core CPU and SmolLM2-135M.
 ARTICLE_FLAGS = [

@@ -46,3 +46,23 @@ def test_flag_reaches_engine_args_and_bad_values_refused():
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="max_parallel_loading_workers"):
             EngineArgs(max_parallel_loading_workers=bad)
+
+
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_parallel_load_model_equals_one_thread(tmp_path, quantization):
+    """A tiny random Llama (HF directory, safetensors shards) loaded with 1 and 4 threads: the same weights."""
+    import transformers
+
+    from minfer.model.loader import load_model
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path, max_shard_size="40KB")  # several shards
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    one = load_model(str(tmp_path), device="cpu", quantization=quantization, max_parallel_loading_workers=1)
+    four = load_model(str(tmp_path), device="cpu", quantization=quantization, max_parallel_loading_workers=4)
+    a, b = dict(one.model.state_dict()), dict(four.model.state_dict())
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k

@@ -181,7 +181,8 @@ def load_gguf(path: Path, max_workers: int | None = None) -> tuple[ModelConfig, 
     """Config, EOS ids and (HF name, float32 tensor) pairs of a GGUF file, through the cache when possible.
 
     Parsing the metadata and dequantizing take seconds; the cache holds the config and the float32 weights
-    as safetensors, which later loads map from disk (`max_workers` threads read it: `loader.iter_safetensors`).
+    as safetensors, which later loads map from disk. With `max_workers` set (even 1) the cache is read lazily
+    by `loader.iter_safetensors` with that many threads, instead of all at once by `load_file`.
     """
     from dataclasses import asdict
 
@@ -194,7 +195,7 @@ def load_gguf(path: Path, max_workers: int | None = None) -> tuple[ModelConfig, 
             meta = json.loads((cache / "minfer_config.json").read_text())
             cfg = ModelConfig(**{**meta, "layer_windows": tuple(meta["layer_windows"]),
                                  "eos_token_ids": tuple(meta["eos_token_ids"])})
-            if max_workers and max_workers > 1:
+            if max_workers is not None:  # the same (memory-mapped) read path for every worker count
                 from minfer.model.loader import iter_safetensors  # noqa: PLC0415 - loader imports this module
 
                 return cfg, cfg.eos_token_ids, iter_safetensors(cache, max_workers)

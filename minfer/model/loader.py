@@ -113,7 +113,8 @@ def iter_safetensors(path: Path, max_workers: int | None = None) -> Iterator[tup
             yield n, fut.result()
 
 
-def load_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+def load_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]], source: str,
+                 max_workers: int | None = None) -> None:
     """Copy checkpoint tensors into `model`, each through its parameter's `weight_loader`.
 
     Names are mapped through the model's `packed_modules_mapping` (checkpoint `q_proj` -> our `qkv_proj`,
@@ -122,6 +123,11 @@ def load_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torc
     parameters without one take `default_weight_loader`. A parameter with `num_shards > 1` must receive
     every shard. Every floating tensor must be finite: a NaN or an infinity in a weight would only show as
     empty or garbage text later (`check_finite`: one sum per tensor, ~3% of the load time).
+
+    `max_workers` > 1 (`--max-parallel-loading-workers`): the check and the copy of each tensor (the work
+    that touches its bytes, and for a quantization method the quantizing) run in a pool of that many threads;
+    each tensor goes to its own parameter or shard, so the copies do not overlap. Names are mapped, and
+    every error is raised, as with one thread.
 
     Raises:
         ValueError: a checkpoint tensor with no place in the model, one holding NaN or infinite values, a
@@ -137,6 +143,25 @@ def load_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torc
         # interleaved QKV) renames and reshapes its tensors itself and handles its own tied head.
         named_tensors, tied = remap(named_tensors), False
     loaded: set[str] = set()
+
+    def copy(name: str, ckpt_name: str, tensor: torch.Tensor, shard) -> None:
+        check_finite(tensor, f"{source}: checkpoint tensor {ckpt_name!r}")
+        param = params[name]
+        loader = getattr(param, "weight_loader", None)
+        try:
+            if loader is None:
+                default_weight_loader(param, tensor)
+            else:
+                loader(param, tensor, shard)
+        except ValueError as e:
+            raise ValueError(f"{source}: {name}: {e}") from None
+
+    pool = None
+    if max_workers is not None and max_workers > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="minfer-load")
+    pending = []
     for name, tensor in named_tensors:
         ckpt_name = name
         if "rotary_emb.inv_freq" in name:
@@ -151,18 +176,20 @@ def load_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torc
                 name, shard = name.replace(f".{ckpt}.", f".{ours}."), idx
                 break
         if name not in params:
+            if pool is not None:
+                pool.shutdown(cancel_futures=True)
             raise ValueError(f"{source}: checkpoint tensor {name!r} has no place in {type(model).__name__}")
-        check_finite(tensor, f"{source}: checkpoint tensor {ckpt_name!r}")
-        param = params[name]
-        loader = getattr(param, "weight_loader", None)
-        try:
-            if loader is None:
-                default_weight_loader(param, tensor)
-            else:
-                loader(param, tensor, shard)
-        except ValueError as e:
-            raise ValueError(f"{source}: {name}: {e}") from None
+        if pool is None:
+            copy(name, ckpt_name, tensor, shard)
+        else:
+            pending.append(pool.submit(copy, name, ckpt_name, tensor, shard))
         loaded.add(name if shard is None else f"{name}#{shard}")
+    if pool is not None:
+        try:
+            for fut in pending:  # in order: the first failure is the one a single thread would have raised
+                fut.result()
+        finally:
+            pool.shutdown(cancel_futures=True)
     expected = set()
     for name, param in params.items():
         n = getattr(param, "num_shards", 1)
@@ -272,7 +299,7 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
             model = model_class(cfg.architecture)(cfg, max_positions=max_positions, build=build)
     finally:
         torch.set_default_dtype(previous)
-    load_weights(model, tensors, str(source.path))
+    load_weights(model, tensors, str(source.path), max_parallel_loading_workers)
     layout = process_weights_after_loading(model)
     logger.info("Linear weight layout: %s", layout)
     model.eval()
