@@ -25,6 +25,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.serving import free_port
 
@@ -147,9 +148,24 @@ def test_article_command_serves_generate_and_openai_routes():
                                                            "messages": [{"role": "user", "content": "Hi"}]}, timeout=120)
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
         assert httpx.get(url + "/v1/models/my-llm").json()["id"] == "my-llm"
-        metrics = httpx.get(url + "/metrics").text
-        assert 'vllm:cache_config_info{' in metrics and 'enable_prefix_caching="True"' in metrics
-        assert "vllm:request_prefill_time_seconds_count" in metrics
+        # a fallback through the engine process: the time limit
+        r = httpx.post(url + "/v1/completions", json={"model": "my-llm", "prompt": "Once upon a time",
+                                                      "max_tokens": 500, "ignore_eos": True, "request_timeout": 1.5},
+                       timeout=120)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "timeout"
+        tok = httpx.post(url + "/tokenize", json={"prompt": "The capital of France is"}).json()
+        assert httpx.post(url + "/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"].endswith(
+            "The capital of France is")
+        # the per-request and per-step series, measured in the engine process
+        time.sleep(0.3)
+        text = httpx.get(url + "/metrics").text
+        assert 'vllm:cache_config_info{' in text and 'enable_prefix_caching="True"' in text
+        values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+        for name in ("request_queue_time_seconds_count", "request_prefill_time_seconds_count",
+                     "request_decode_time_seconds_count", "request_generation_tokens_count"):
+            assert values["vllm:" + name] >= 4, name  # the finished /generate x2 and /v1 requests, not the aborted
+        assert values["vllm:iteration_tokens_total_count"] >= 10 and values["vllm:iteration_tokens_total_sum"] > 0
+        assert values['minfer:request_fallbacks_total'] >= 1
     finally:
         proc.terminate()
         try:
