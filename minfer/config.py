@@ -222,6 +222,8 @@ class EngineArgs:
         data_parallel_size: whole-model replicas (engine processes) behind the server's router
             (`minfer.serve.router`, chapter 12b), an integer >= 1; one `LLMEngine` is one replica and
             refuses > 1, so it is only the server that runs N (`python -m minfer.serve --data-parallel-size N`).
+        max_parallel_loading_workers: threads that read the checkpoint's tensors at load time (vLLM's flag;
+            None or 1: one thread); changes only how fast the model loads.
         speculative_config: None, or vLLM's dict `{"method": "ngram" | "draft_model", "num_speculative_tokens":
             k, ...}` (a JSON string is accepted); parsed into `SpeculativeConfig` (chapter 7b).
     """
@@ -250,6 +252,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     device: str | None = None
     speculative_config: dict | None = None  # vLLM's shape; see SpeculativeConfig (parsed in verify)
+    max_parallel_loading_workers: int | None = None  # threads reading checkpoint tensors (load time only)
 
     def __post_init__(self) -> None:
         self.verify()
@@ -304,6 +307,10 @@ class EngineArgs:
                              "(use attention_backend='auto' or 'torch' for it)")
         if self.data_parallel_size < 1:
             raise bad("data_parallel_size", "an integer >= 1 (replicas of the whole model)")
+        if self.max_parallel_loading_workers is not None and (
+                not isinstance(self.max_parallel_loading_workers, int) or isinstance(self.max_parallel_loading_workers, bool)
+                or self.max_parallel_loading_workers < 1):
+            raise bad("max_parallel_loading_workers", "an integer >= 1 or None")
         if self.tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} {_NOT_BUILT}")
         if self.pipeline_parallel_size != 1:

@@ -307,6 +307,7 @@ class LLMEngine:
             return []
         t1 = time.perf_counter()
         rows, tokens, chosen, tops = self.executor.execute_model(batch)
+        self.last_step_num_tokens = int(sum(batch.num_new_tokens))  # vLLM's iteration_tokens_total (server metric)
         t2 = time.perf_counter()
         if spec is not None:
             spec.verified(batch)

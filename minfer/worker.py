@@ -46,7 +46,8 @@ class Worker:
         self.args = args
         loaded = load_model(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                             fused_ops=args.attention_backend == "triton", quantization=args.quantization,
-                            quantization_config=args.quantization_config)
+                            quantization_config=args.quantization_config,
+                            max_parallel_loading_workers=getattr(args, "max_parallel_loading_workers", None))
         self.model = loaded.model
         self.config, self.source, self.eos_token_ids, self.dtype = (
             loaded.config, loaded.source, loaded.eos_token_ids, loaded.dtype)

@@ -19,6 +19,11 @@ if [ "${1:-}" = "--test" ]; then
     (apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null) \
       || echo "setup: could not install chromium; the browser test will be skipped"
   fi
+  # tests/test_prometheus.py scrapes the server with a real Prometheus (Debian's); it skips itself without one.
+  if ! command -v prometheus >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null) \
+      || echo "setup: could not install prometheus; the Prometheus test will be skipped"
+  fi
 else
   "$PY" -m pip install -e .
 fi

@@ -30,14 +30,14 @@ class FakeTokenizer:
     vocab_size = 50000
     max_token_chars = 16
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = []
         for word in text.split():
             for w in (word[i:i + self.max_token_chars] for i in range(0, len(word), self.max_token_chars)):
                 ids.append(_WORDS.index(w) + 1 if w in _WORDS else 100 + (sum(map(ord, w)) % 800))
         return ids
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         out = []
         for i in ids:
             if i == 0:
@@ -108,6 +108,7 @@ class FakeEngine:
         self.num_prompt_tokens = 0
         self.num_gen_tokens = 0
         self.num_steps = 0
+        self.last_step_num_tokens = 0
 
     def add_request(self, request_id, prompt, sampling_params: SamplingParams, arrival_time=None):
         if isinstance(prompt, str):
@@ -173,6 +174,7 @@ class FakeEngine:
             self.running.append(r)
         outputs = []
         now = time.perf_counter()
+        step_tokens = sum(len(r.prompt_ids) for r in self.running if r.step == 0)
         for r in list(self.running):
             max_tokens = r.params.max_tokens or (self.model_config.max_model_len - len(r.prompt_ids))
             for o in r.outs:
@@ -181,6 +183,7 @@ class FakeEngine:
                 tok = self._token(r, o.index)
                 o.token_ids.append(tok)
                 self.num_gen_tokens += 1
+                step_tokens += 1
                 if o.logprobs is not None:
                     others = [t for t in range(1, len(_WORDS) + 1) if t != tok][: r.params.logprobs]
                     o.logprobs.append({tok: -0.5, **{t: -1.0 - 0.5 * j for j, t in enumerate(others)}})
@@ -208,6 +211,7 @@ class FakeEngine:
                 self._free(r)
             outputs.append(RequestOutput(request_id=r.rid, prompt=r.prompt, prompt_token_ids=r.prompt_ids,
                                          outputs=r.outs, finished=done, metrics=r.metrics))
+        self.last_step_num_tokens = step_tokens
         return outputs
 
     def stats(self) -> FakeStats:

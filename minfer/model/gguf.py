@@ -177,11 +177,12 @@ def gguf_cache_path(path: Path) -> Path:
     return _cache_dir() / "gguf" / f"{path.stem}-{key}"
 
 
-def load_gguf(path: Path) -> tuple[ModelConfig, tuple, Iterable[tuple[str, torch.Tensor]]]:
+def load_gguf(path: Path, max_workers: int | None = None) -> tuple[ModelConfig, tuple, Iterable[tuple[str, torch.Tensor]]]:
     """Config, EOS ids and (HF name, float32 tensor) pairs of a GGUF file, through the cache when possible.
 
     Parsing the metadata and dequantizing take seconds; the cache holds the config and the float32 weights
-    as safetensors, which later loads map from disk.
+    as safetensors, which later loads map from disk. With `max_workers` set (even 1) the cache is read lazily
+    by `loader.iter_safetensors` with that many threads, instead of all at once by `load_file`.
     """
     from dataclasses import asdict
 
@@ -194,6 +195,10 @@ def load_gguf(path: Path) -> tuple[ModelConfig, tuple, Iterable[tuple[str, torch
             meta = json.loads((cache / "minfer_config.json").read_text())
             cfg = ModelConfig(**{**meta, "layer_windows": tuple(meta["layer_windows"]),
                                  "eos_token_ids": tuple(meta["eos_token_ids"])})
+            if max_workers is not None:  # the same (memory-mapped) read path for every worker count
+                from minfer.model.loader import iter_safetensors  # noqa: PLC0415 - loader imports this module
+
+                return cfg, cfg.eos_token_ids, iter_safetensors(cache, max_workers)
             return cfg, cfg.eos_token_ids, load_file(str(cache / "model.safetensors")).items()
         except Exception:
             pass  # a broken cache is rebuilt, never trusted

@@ -62,8 +62,12 @@ def hf_config(path: Path) -> tuple[ModelConfig, tuple]:
     return cfg, eos
 
 
-def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(path: Path, max_workers: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) from `model.safetensors` or the shards listed in `model.safetensors.index.json`.
+
+    `max_workers` > 1 (vLLM's `--max-parallel-loading-workers`): the tensors are read by a pool of that many
+    threads (reading copies out of the memory-mapped file and releases the GIL), still yielded in the file's
+    order; at most 2 x max_workers tensors are read ahead, so memory stays bounded. Load-time I/O only.
 
     Raises:
         FileNotFoundError: no weights, or a shard named in the index is missing.
@@ -78,20 +82,39 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors weights found")
-    for fname in tqdm(files, desc="Loading safetensors shards", disable=len(files) < 2):
+    handles = []
+    for fname in files:
         fpath = path / fname
         if not fpath.is_file():
             raise FileNotFoundError(f"{fpath}: shard listed in {index.name} is missing")
         try:
-            f = safe_open(str(fpath), framework="pt")
+            handles.append(safe_open(str(fpath), framework="pt"))
         except Exception as e:
             raise ValueError(f"{fpath}: corrupt or unreadable safetensors file ({e})") from None
-        with f:
+    work = [(f, name) for f in handles for name in f.keys()]
+    if not max_workers or max_workers <= 1:
+        for f in tqdm(handles, desc="Loading safetensors shards", disable=len(files) < 2):
             for name in f.keys():
                 yield name, f.get_tensor(name)
+        return
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="minfer-load") as pool:
+        ahead: deque = deque()
+        todo = iter(work)
+        for f, name in todo:  # keep the pool busy, at most 2 x max_workers tensors read but not yet used
+            ahead.append((name, pool.submit(f.get_tensor, name)))
+            if len(ahead) >= 2 * max_workers:
+                n, fut = ahead.popleft()
+                yield n, fut.result()
+        while ahead:
+            n, fut = ahead.popleft()
+            yield n, fut.result()
 
 
-def load_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+def load_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]], source: str,
+                 max_workers: int | None = None) -> None:
     """Copy checkpoint tensors into `model`, each through its parameter's `weight_loader`.
 
     Names are mapped through the model's `packed_modules_mapping` (checkpoint `q_proj` -> our `qkv_proj`,
@@ -100,6 +123,11 @@ def load_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torc
     parameters without one take `default_weight_loader`. A parameter with `num_shards > 1` must receive
     every shard. Every floating tensor must be finite: a NaN or an infinity in a weight would only show as
     empty or garbage text later (`check_finite`: one sum per tensor, ~3% of the load time).
+
+    `max_workers` > 1 (`--max-parallel-loading-workers`): the check and the copy of each tensor (the work
+    that touches its bytes, and for a quantization method the quantizing) run in a pool of that many threads;
+    each tensor goes to its own parameter or shard, so the copies do not overlap. Names are mapped, and
+    every error is raised, as with one thread.
 
     Raises:
         ValueError: a checkpoint tensor with no place in the model, one holding NaN or infinite values, a
@@ -115,6 +143,25 @@ def load_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torc
         # interleaved QKV) renames and reshapes its tensors itself and handles its own tied head.
         named_tensors, tied = remap(named_tensors), False
     loaded: set[str] = set()
+
+    def copy(name: str, ckpt_name: str, tensor: torch.Tensor, shard) -> None:
+        check_finite(tensor, f"{source}: checkpoint tensor {ckpt_name!r}")
+        param = params[name]
+        loader = getattr(param, "weight_loader", None)
+        try:
+            if loader is None:
+                default_weight_loader(param, tensor)
+            else:
+                loader(param, tensor, shard)
+        except ValueError as e:
+            raise ValueError(f"{source}: {name}: {e}") from None
+
+    pool = None
+    if max_workers is not None and max_workers > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="minfer-load")
+    pending = []
     for name, tensor in named_tensors:
         ckpt_name = name
         if "rotary_emb.inv_freq" in name:
@@ -129,18 +176,20 @@ def load_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torc
                 name, shard = name.replace(f".{ckpt}.", f".{ours}."), idx
                 break
         if name not in params:
+            if pool is not None:
+                pool.shutdown(cancel_futures=True)
             raise ValueError(f"{source}: checkpoint tensor {name!r} has no place in {type(model).__name__}")
-        check_finite(tensor, f"{source}: checkpoint tensor {ckpt_name!r}")
-        param = params[name]
-        loader = getattr(param, "weight_loader", None)
-        try:
-            if loader is None:
-                default_weight_loader(param, tensor)
-            else:
-                loader(param, tensor, shard)
-        except ValueError as e:
-            raise ValueError(f"{source}: {name}: {e}") from None
+        if pool is None:
+            copy(name, ckpt_name, tensor, shard)
+        else:
+            pending.append(pool.submit(copy, name, ckpt_name, tensor, shard))
         loaded.add(name if shard is None else f"{name}#{shard}")
+    if pool is not None:
+        try:
+            for fut in pending:  # in order: the first failure is the one a single thread would have raised
+                fut.result()
+        finally:
+            pool.shutdown(cancel_futures=True)
     expected = set()
     for name, param in params.items():
         n = getattr(param, "num_shards", 1)
@@ -189,7 +238,8 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None, device
 def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", device: str | torch.device | None = None,
                max_model_len: int | None = None, source: ModelSource | None = None,
                fused_ops: bool = False, linear_method: LinearMethodBase | None = None,
-               quantization: str | None = None, quantization_config: dict | str | None = None) -> LoadedModel:
+               quantization: str | None = None, quantization_config: dict | str | None = None,
+               max_parallel_loading_workers: int | None = None) -> LoadedModel:
     """Load a model by name (see `minfer.model.sources.resolve_model`) onto `device` in `dtype`.
 
     Args:
@@ -199,6 +249,8 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
         quantization, quantization_config: a weight-quantization method of `minfer.quantization` and its
             settings; the layers it keeps in float (the tied LM head) use `linear_method`. "gguf" reads a
             GGUF file's Q4_0/Q4_1 blocks as stored instead of the dequantized float32 cache.
+        max_parallel_loading_workers: threads reading checkpoint tensors (`iter_safetensors`; a GGUF's float32
+            cache too); None or 1: one.
 
     Returns:
         LoadedModel with the module in eval mode, its config and EOS ids.
@@ -217,11 +269,11 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
         cfg, eos, tensors = load_gguf_blocks(source.path)
         ckpt_dtype = "float32"
     elif source.kind == "gguf":
-        cfg, eos, tensors = load_gguf(source.path)
+        cfg, eos, tensors = load_gguf(source.path, max_workers=max_parallel_loading_workers)
         ckpt_dtype = "float32"
     else:
         cfg, eos = hf_config(source.path)
-        tensors = iter_safetensors(source.path)
+        tensors = iter_safetensors(source.path, max_parallel_loading_workers)
         ckpt_dtype = cfg.torch_dtype
     limit = cfg.max_position_embeddings
     if (cfg.rope_scaling or {}).get("rope_type") in ("linear", "dynamic"):
@@ -247,7 +299,7 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
             model = model_class(cfg.architecture)(cfg, max_positions=max_positions, build=build)
     finally:
         torch.set_default_dtype(previous)
-    load_weights(model, tensors, str(source.path))
+    load_weights(model, tensors, str(source.path), max_parallel_loading_workers)
     layout = process_weights_after_loading(model)
     logger.info("Linear weight layout: %s", layout)
     model.eval()

@@ -10,6 +10,10 @@ Split as vLLM's `vllm/entrypoints/openai/`, one job a module, in the order a req
 - `protocol.py`: the OpenAI API's shapes: request bodies -> `SamplingParams` and prompts, `APIError`, the JSON
   answers and streamed chunks.
 - `serving.py`: one generation request end to end: submit, then a JSON answer or a server-sent-event stream.
+- `fallbacks.py`: what happens when a request cannot get all it asked for (chapter 15): load shedding (503),
+  the time limit, `truncate_prompt_tokens`, the max_tokens cap under KV pressure.
+- `ops_routes.py`: `/v1/models/{id}`, `/tokenize`, `/detokenize`, `/version`, `/ping`; `legacy_api.py`: vLLM's
+  legacy `POST /generate`.
 - `EngineLoop`: the engine's own thread and its bridge to asyncio (`engine_loop.py`): the in-process client.
 - `MPEngineClient`: the engine core in a process of its own, over ZMQ (`engine_client.py`; the process body is
   `engine_core.py`); what `python -m minfer.serve` uses unless `--no-engine-process`.

@@ -118,8 +118,36 @@ def build_parser() -> argparse.ArgumentParser:
     a("--disable-log-requests", action="store_true", help="do not log each request (default: log them)")
     a("--uvicorn-log-level", default="info", metavar="LEVEL", choices=["critical", "error", "warning", "info", "debug", "trace"],
       help="uvicorn's log level: critical, error, warning, info, debug, trace (default: info)")
+    a("--max-parallel-loading-workers", type=int, metavar="N", default=None,
+      help="threads reading the checkpoint's tensors while the model loads (load time only; default: 1)")
     _add_limit_flags(p.add_argument_group("admission control and timeouts (chapter 9, section 9.8)"))
+    _add_fallback_flags(p.add_argument_group("fallbacks (chapter 15): off unless given"))
     return p
+
+
+def _add_fallback_flags(group) -> None:
+    """The flags of `fallbacks.FallbackConfig` (chapter 15): each off by default."""
+    a = group.add_argument
+    a("--max-waiting-requests", type=int, metavar="N", default=None,
+      help="most requests waiting for their first token; one more is answered 503 with Retry-After, and no "
+           "admitted request is dropped (requests; default: no limit)")
+    a("--request-timeout", type=float, metavar="S", default=None,
+      help="a request still running this long after it arrived ends with what it has, finish_reason "
+           "\"timeout\"; a request's own request_timeout field may lower it (seconds; default: none)")
+    a("--kv-pressure-threshold", type=float, metavar="FRAC", default=None,
+      help="KV-cache usage (0-1) from which new requests get --kv-pressure-max-tokens as their max_tokens "
+           "cap, reported in the answer's \"fallback\" field and X-Max-Tokens-Capped header (default: off)")
+    a("--kv-pressure-max-tokens", type=int, metavar="N", default=None,
+      help="the max_tokens cap under KV pressure (tokens; default: off; needs --kv-pressure-threshold)")
+
+
+def fallbacks_from(args: argparse.Namespace):
+    """FallbackConfig from parsed flags; raises ValueError for a bad value."""
+    from minfer.serve.fallbacks import FallbackConfig  # noqa: PLC0415
+
+    return FallbackConfig(max_waiting_requests=args.max_waiting_requests, request_timeout=args.request_timeout,
+                          kv_pressure_threshold=args.kv_pressure_threshold,
+                          kv_pressure_max_tokens=args.kv_pressure_max_tokens)
 
 
 def _add_limit_flags(group) -> None:
@@ -186,8 +214,27 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         pipeline_parallel_size=args.pipeline_parallel_size, data_parallel_size=args.data_parallel_size,
         quantization=args.quantization,
         quantization_config=args.quantization_config,
-        kv_cache_dtype=args.kv_cache_dtype, device=args.device,
-        speculative_config=getattr(args, "speculative_config", None))
+        kv_cache_dtype=kv_cache_dtype_from(args.kv_cache_dtype, args.dtype), device=args.device,
+        speculative_config=getattr(args, "speculative_config", None),
+        max_parallel_loading_workers=getattr(args, "max_parallel_loading_workers", None))
+
+
+_FLOAT_KV = {"fp16": "float16", "float16": "float16", "half": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16",
+             "fp32": "float32", "float32": "float32"}
+
+
+def kv_cache_dtype_from(kv_cache_dtype: str, dtype: str) -> str:
+    """--kv-cache-dtype as EngineArgs takes it. The article's command gives a float type ("fp16"): minfer keeps
+    the KV cache in the model's dtype, so a float type equal to --dtype means "auto"; another float type is
+    refused (not built), saying so. Anything else (auto, int8, fp8) goes to the engine as is."""
+    want = _FLOAT_KV.get(kv_cache_dtype.lower())
+    if want is None:
+        return kv_cache_dtype
+    if dtype == want:
+        return "auto"
+    raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} with --dtype {dtype}: a KV cache in another float type "
+                     "than the model's is not built in minfer (the KV cache is stored in the model's dtype); use "
+                     f"--kv-cache-dtype auto, or --dtype {want}")
 
 
 def _fmt_bytes(n) -> str:
@@ -205,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         engine_args = engine_args_from(args)
         limits = limits_from(args)
+        fallbacks = fallbacks_from(args)
     except ValueError as exc:
         print(f"python -m minfer.serve: error: {exc}", file=sys.stderr)
         return 2
@@ -259,8 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("engine args: %s", engine_args)
     app = build_app(engine, served_model_names=names, api_key=args.api_key,
                     log_requests=not args.disable_log_requests, engine_loop=engine_loop, limits=limits,
-                    enable_docs=args.enable_fastapi_docs)
+                    enable_docs=args.enable_fastapi_docs, fallbacks=fallbacks)
     logger.info("limits: %s", app.state.serving.limits)
+    logger.info("fallbacks: %s", fallbacks)
     logger.info("serving on http://%s:%d (OpenAI API at /v1, metrics at /metrics, demo page at /)%s",
                 args.host, args.port, ", API key required" if args.api_key else "")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,

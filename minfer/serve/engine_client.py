@@ -240,6 +240,8 @@ class MPEngineClient:
             self.num_steps += 1
             self._on_outputs(msg[1])
             self._on_stats(msg[2])
+            if self.metrics is not None and len(msg) > 3:
+                self.metrics.observe_iteration(msg[3])
         elif kind == "stats":
             self._on_stats(msg[1])
         elif kind == "added":
@@ -257,6 +259,8 @@ class MPEngineClient:
         elif kind == "fatal":
             _, rids, text = msg
             self.num_step_errors += 1
+            if self.metrics is not None:
+                self.metrics.count_step_error()
             with self._lock:
                 routes = [(r, self._routes.pop(r)) for r in rids if r in self._routes]
             self._post_many([(route, (rid, "fatal", text)) for rid, route in routes])
@@ -293,7 +297,9 @@ class MPEngineClient:
                         itl, tpot, e2e = fin[:3] if fin else ([], None, None)
                         reason = next((o.finish_reason for o in snap.outputs if o.finish_reason), None)
                         self.metrics.observe_finished(reason, itl, tpot, e2e if e2e is not None
-                                                      else now - route.arrival)
+                                                      else now - route.arrival,
+                                                      fin[5] if fin and len(fin) > 5 else None, n_prompt,
+                                                      sum(len(o.token_ids) for o in snap.outputs))
                 events.append((route, (rid, "output", snap)))
         self._post_many(events)
 

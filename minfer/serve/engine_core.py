@@ -38,12 +38,16 @@ import threading
 import time
 import traceback
 
+from minfer.serve.metrics import phase_times
+
 logger = logging.getLogger("minfer.engine_core")
 
 # Output row layout (a list, not a dict: msgpack writes no keys). One row per completion of a request.
 #   [index, token_offset, new_token_ids, text_offset, new_text, new_logprobs|None, finish_reason, stop_reason]
 # Request row: [request_id, num_prompt_tokens, num_cached_tokens, finished, ttft|None, fin|None, rows]
-#   fin (on the last message of a request): [itl list, tpot|None, e2e|None]
+#   fin (on the last message of a request): [itl list, tpot|None, e2e|None, prompt ids, prompt logprobs|None,
+#        phases|None ((queue, prefill, decode, inference) seconds, `metrics.phase_times`)]
+# Step message: ["step", rows, stats|None, tokens in the step (prefill + decode)|None]
 
 
 class _Sent:
@@ -91,7 +95,7 @@ def encode_step(outputs, sent: dict[str, _Sent], now: float) -> list:
             plp = getattr(out, "prompt_logprobs", None)
             fin = [list(m.itl) if m is not None else [], m.tpot if m is not None else None,
                    m.e2e if m is not None else None, list(out.prompt_token_ids or []),
-                   list(plp) if plp else None]
+                   list(plp) if plp else None, phase_times(m)]
         rows.append([out.request_id, len(out.prompt_token_ids or []), getattr(out, "num_cached_tokens", 0) or 0,
                      bool(out.finished), ttft, fin, comps])
     return rows
@@ -205,7 +209,7 @@ class EngineCore:
             rows = encode_step(outputs, self.sent, now)
             finished = any(r[3] for r in rows)
             stats = self._stats() if finished or now - self._last_stats >= self.stats_interval else None
-            self._send(["step", rows, stats])
+            self._send(["step", rows, stats, getattr(engine, "last_step_num_tokens", None)])
 
 
 def core_main(engine_args, input_addr: str, output_addr: str) -> None:

@@ -26,7 +26,7 @@ from collections import deque
 from typing import Any, AsyncIterator
 
 from minfer.sampling_params import SamplingParams
-from minfer.serve.metrics import ServerMetrics
+from minfer.serve.metrics import ServerMetrics, phase_times
 from minfer.serve.protocol import APIError, param_of
 
 logger = logging.getLogger("minfer.serve")
@@ -280,7 +280,9 @@ class EngineLoop:
                     e2e = m.e2e if m is not None and m.e2e is not None else now - route.arrival
                     reason = next((o.finish_reason for o in out.outputs if o.finish_reason), None)
                     self.metrics.observe_finished(reason, m.itl if m is not None else [],
-                                                  m.tpot if m is not None else None, e2e)
+                                                  m.tpot if m is not None else None, e2e, phase_times(m),
+                                                  snap.num_prompt_tokens,
+                                                  sum(len(o.token_ids) for o in snap.outputs))
             self._post(route, out.request_id, "output", snap)
         return any_finished
 
@@ -313,10 +315,14 @@ class EngineLoop:
                     continue
                 outputs = self.engine.step()
                 self.num_steps += 1
+                if self.metrics is not None:
+                    self.metrics.observe_iteration(getattr(self.engine, "last_step_num_tokens", None))
                 finished = self._dispatch(outputs)
                 self._refresh_stats(force=finished)
             except Exception as exc:  # noqa: BLE001 - the loop must not die
                 self.num_step_errors += 1
+                if self.metrics is not None:
+                    self.metrics.count_step_error()
                 logger.error("engine step failed: %s\n%s", exc, traceback.format_exc())
                 self._fail_all(f"engine error: {type(exc).__name__}: {exc}")
                 time.sleep(0.01)

@@ -22,13 +22,32 @@ collide). Everything here is updated from the engine-loop thread; prometheus-cli
 | minfer:spec_decode_num_accepted_tokens_per_pos | counter | accepted drafts by position (label position, 0-based) |
 | minfer:request_success | counter | finished requests, label finished_reason (stop, length, abort) |
 | minfer:request_errors | counter | rejected requests, label status (400, 401, 404, 500) |
+| minfer:time_per_output_token_seconds | histogram | gaps between a request's tokens (vLLM's older name of the ITL) |
+| minfer:request_queue_time_seconds | histogram | arrival to first scheduled (waiting) |
+| minfer:request_prefill_time_seconds | histogram | first scheduled to first token |
+| minfer:request_decode_time_seconds | histogram | first token to finish |
+| minfer:request_inference_time_seconds | histogram | first scheduled to finish |
+| minfer:request_prompt_tokens / minfer:request_generation_tokens | histogram | tokens per finished request |
+| minfer:iteration_tokens_total | histogram | tokens (prefill + decode) per engine step |
+| minfer:cache_config_info | gauge (1) | the KV cache's settings, as labels (block_size, num_gpu_blocks, ...) |
+| minfer:avg_prompt_throughput_toks_per_s / minfer:avg_generation_throughput_toks_per_s | gauge | tokens/s over the last ~10 s |
+| minfer:engine_step_errors | counter | engine steps that raised (their requests failed, the loop went on) |
+| minfer:request_fallbacks | counter | fallbacks applied, label kind (timeout, max_tokens_capped, shed) |
 
 Counters are exported with the `_total` suffix (`minfer:prompt_tokens_total`), as prometheus-client does.
+
+Every series is exported twice: as `minfer:NAME` and as `vllm:NAME` (the same samples, renamed at export,
+`render`), so a dashboard built for vLLM works unchanged; `vllm:gpu_cache_usage_perc` (vLLM's older name of
+`kv_cache_usage_perc`) is exported too.
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
 # Buckets as vLLM's (seconds), extended down for a small model on a fast machine.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -37,6 +56,11 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0
                5.0, 10.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0)
+
+# vLLM's buckets for token counts per request and per step
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+THROUGHPUT_WINDOW_S = 10.0  # the avg_*_throughput gauges average over this much time
 
 # engine.stats() field -> counter attribute (cumulative in the engine; exported as increments)
 _COUNTER_FIELDS = {
@@ -108,6 +132,29 @@ class ServerMetrics:
                                 registry=r)
         self._errors = Counter("minfer:request_errors", "Requests rejected with an error status.",
                                ["model_name", "status"], registry=r)
+        self.tpot_legacy = hist("minfer:time_per_output_token_seconds",
+                                "Time between consecutive tokens (s); vLLM's older name of the ITL.", ITL_BUCKETS)
+        self.queue_time = hist("minfer:request_queue_time_seconds", "Arrival to first scheduled (s).", E2E_BUCKETS)
+        self.prefill_time = hist("minfer:request_prefill_time_seconds", "First scheduled to first token (s).",
+                                 E2E_BUCKETS)
+        self.decode_time = hist("minfer:request_decode_time_seconds", "First token to finish (s).", E2E_BUCKETS)
+        self.inference_time = hist("minfer:request_inference_time_seconds", "First scheduled to finish (s).",
+                                   E2E_BUCKETS)
+        self.request_prompt_tokens = hist("minfer:request_prompt_tokens", "Prompt tokens of a finished request.",
+                                          TOKEN_BUCKETS)
+        self.request_generation_tokens = hist("minfer:request_generation_tokens",
+                                              "Generated tokens of a finished request.", TOKEN_BUCKETS)
+        self.iteration_tokens = hist("minfer:iteration_tokens_total", "Tokens (prefill + decode) in one engine step.",
+                                     ITERATION_BUCKETS)
+        self.prompt_throughput = gauge("minfer:avg_prompt_throughput_toks_per_s",
+                                       f"Prompt tokens prefilled per second, over the last {THROUGHPUT_WINDOW_S:g} s.")
+        self.generation_throughput = gauge("minfer:avg_generation_throughput_toks_per_s",
+                                           f"Tokens generated per second, over the last {THROUGHPUT_WINDOW_S:g} s.")
+        self.step_errors = counter("minfer:engine_step_errors", "Engine steps that raised (their requests failed).")
+        self._fallbacks = Counter("minfer:request_fallbacks", "Fallbacks applied (fallbacks.py).",
+                                  ["model_name", "kind"], registry=r)
+        self._cache_config: Gauge | None = None
+        self._totals: deque = deque()  # (time, prompt tokens total, generation tokens total)
         self._last: dict[str, float] = {}
 
     # --- updates -------------------------------------------------------------------------------------------
@@ -127,6 +174,7 @@ class ServerMetrics:
             if delta > 0:
                 getattr(self, attr).inc(delta)
             self._last[field] = max(value, self._last.get(field, 0))
+        self._update_throughput(g("num_prompt_tokens_total"), g("num_generation_tokens_total"))
         for pos, value in enumerate(getattr(stats, "spec_decode_num_accepted_tokens_per_pos", ()) or ()):
             key = f"spec_per_pos_{pos}"
             delta = value - self._last.get(key, 0)
@@ -134,13 +182,56 @@ class ServerMetrics:
                 self._spec_per_pos.labels(self.model_name, str(pos)).inc(delta)
             self._last[key] = max(value, self._last.get(key, 0))
 
+    def _update_throughput(self, prompt_total: float, gen_total: float) -> None:
+        """The avg_*_throughput gauges: token counters' growth over the last THROUGHPUT_WINDOW_S seconds."""
+        now = time.monotonic()
+        self._totals.append((now, prompt_total, gen_total))
+        while len(self._totals) > 2 and now - self._totals[1][0] >= THROUGHPUT_WINDOW_S:
+            self._totals.popleft()
+        t0, p0, g0 = self._totals[0]
+        span = now - t0
+        if span > 0:
+            self.prompt_throughput.set(max(0.0, prompt_total - p0) / span)
+            self.generation_throughput.set(max(0.0, gen_total - g0) / span)
+
     def observe_first_token(self, ttft: float) -> None:
         self.ttft.observe(max(0.0, ttft))
 
+    def observe_iteration(self, num_tokens: int | None) -> None:
+        """One engine step of `num_tokens` tokens (prefill + decode); None: unknown (not counted)."""
+        if num_tokens:
+            self.iteration_tokens.observe(num_tokens)
+
+    def count_step_error(self) -> None:
+        self.step_errors.inc()
+
+    def count_fallback(self, kind: str) -> None:
+        self._fallbacks.labels(self.model_name, kind).inc()
+
+    def set_cache_config(self, info: dict) -> None:
+        """`minfer:cache_config_info` = 1 with the KV cache's settings as labels (vLLM's `cache_config_info`)."""
+        labels = {k: str(v) for k, v in sorted(info.items()) if isinstance(v, (int, float, str, bool)) or v is None}
+        if self._cache_config is None:
+            self._cache_config = Gauge("minfer:cache_config_info", "The KV cache's settings (labels); value 1.",
+                                       ["model_name", *labels], registry=self.registry)
+        self._cache_config.labels(self.model_name, *labels.values()).set(1)
+
     def observe_finished(self, finish_reason: str | None, itl: list[float], tpot: float | None,
-                         e2e: float | None) -> None:
+                         e2e: float | None, phases: list | tuple | None = None, num_prompt_tokens: int | None = None,
+                         num_generation_tokens: int | None = None) -> None:
+        """A request ended. `phases`: (queue, prefill, decode, inference) seconds (`phase_times`), or None."""
         for gap in itl:
             self.itl.observe(max(0.0, gap))
+            self.tpot_legacy.observe(max(0.0, gap))
+        if phases:
+            for hist_, value in zip((self.queue_time, self.prefill_time, self.decode_time, self.inference_time),
+                                    phases):
+                if value is not None:
+                    hist_.observe(max(0.0, value))
+        if num_prompt_tokens is not None and finish_reason != "abort":
+            self.request_prompt_tokens.observe(num_prompt_tokens)
+        if num_generation_tokens is not None and finish_reason != "abort":
+            self.request_generation_tokens.observe(num_generation_tokens)
         if tpot is not None:
             self.tpot.observe(max(0.0, tpot))
         if e2e is not None:
@@ -152,5 +243,45 @@ class ServerMetrics:
 
     # --- export --------------------------------------------------------------------------------------------
     def render(self) -> tuple[bytes, str]:
-        """(body, content type) of the Prometheus text exposition."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        """(body, content type) of the Prometheus text exposition: every `minfer:` series, then the same as
+        `vllm:`."""
+        return generate_latest(_WithVllmNames(self.registry)), CONTENT_TYPE_LATEST
+
+
+def phase_times(m) -> list | None:
+    """(queue, prefill, decode, inference) seconds of a finished request's `RequestMetrics`, as vLLM splits a
+    request: arrival -> first scheduled -> first token -> finished; None where a timestamp is missing."""
+    if m is None:
+        return None
+    arrival, sched = m.arrival_time, getattr(m, "first_scheduled_time", None)
+    first, end = m.first_token_time, m.finished_time or m.last_token_time
+
+    def span(a, b):
+        return None if a is None or b is None else b - a
+
+    return [span(arrival, sched), span(sched, first), span(first, end), span(sched, end)]
+
+
+_VLLM_EXTRA = {"minfer:kv_cache_usage_perc": "vllm:gpu_cache_usage_perc"}  # vLLM's older names, also exported
+
+
+def _renamed(family, name: str, old: str):
+    out = Metric(name, family.documentation, family.type, family.unit)
+    out.samples = [s._replace(name=name + s.name[len(old):]) for s in family.samples]
+    return out
+
+
+class _WithVllmNames:
+    """A registry view whose `collect` yields each family and then its `vllm:` copy."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+
+    def collect(self):
+        families = list(self.registry.collect())
+        yield from families
+        for fam in families:
+            if fam.name.startswith("minfer:"):
+                yield _renamed(fam, "vllm:" + fam.name[len("minfer:"):], fam.name)
+                if fam.name in _VLLM_EXTRA:
+                    yield _renamed(fam, _VLLM_EXTRA[fam.name], fam.name)

@@ -508,6 +508,18 @@ class StreamChunks:
         index = self.prompt_index[request_id] * self.n + o.index
         return _choice(index, delta, lp, o.finish_reason, chat=self.chat, delta=True)
 
+    def finish_unfinished(self, request_ids: list[str], reason: str) -> str | None:
+        """One chunk ending every choice not finished yet with `reason` (a request cut by its time limit);
+        None when all had finished."""
+        choices = []
+        for rid in request_ids:
+            for j in range(self.n):
+                if (rid, j) not in self.finished:
+                    self.finished.add((rid, j))
+                    choices.append(_choice(self.prompt_index[rid] * self.n + j, "", None, reason, chat=self.chat,
+                                           delta=True))
+        return self._chunk(choices) if choices else None
+
     def usage_chunk(self) -> str:
         """The last chunk when `stream_options.include_usage`: no choices, the usage of the whole request."""
         return self._chunk([], usage=usage(sum(self.prompt_tokens.values()), sum(self.completion_tokens.values())))

@@ -9,6 +9,8 @@
 | GET /v1/stats | engine statistics as JSON, for the demo page |
 | GET /metrics | the Prometheus metrics (`metrics.py`) |
 | GET / | the demo page (`static/index.html`), with a Content-Security-Policy that allows only its own code |
+| GET /v1/models/{id}, POST /tokenize, /detokenize, GET /version, /ping | `ops_routes.py` (vLLM's and OpenAI's extra routes) |
+| POST /generate | vLLM's legacy api_server route (`legacy_api.py`) |
 
 Each GET route also answers HEAD (the same headers, no body). Each handler only parses (with `protocol`, after
 the admission checks of `limits`) and hands over (to `serving.OpenAIServing`). They find what they share in
@@ -50,12 +52,15 @@ from minfer.serve.metrics import ServerMetrics
 from minfer.serve.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS, APIError, echo_setting, normalize_messages, parse_json_body, parse_prompts,
     resolve_model, sampling_params)
+from minfer.serve.fallbacks import FallbackConfig
+from minfer.serve.legacy_api import router as legacy_router
+from minfer.serve.ops_routes import router as ops_router
 from minfer.serve.serving import OpenAIServing
 
 logger = logging.getLogger("minfer.serve")
 
 STATIC_DIR = Path(__file__).parent / "static"
-PUBLIC_PATHS = frozenset({"/health", "/metrics", "/"})  # open even with --api-key
+PUBLIC_PATHS = frozenset({"/health", "/metrics", "/", "/ping"})  # open even with --api-key
 
 router = APIRouter()
 
@@ -246,7 +251,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException):
 def _allowed_methods(scope) -> str:
     """The methods of every route at this path (Starlette's own 405 names only the first route's)."""
     methods = set()
-    for route in router.routes:
+    for route in [*router.routes, *ops_router.routes, *legacy_router.routes]:
         match, _ = route.matches(scope)
         if match is not Match.NONE:
             methods |= route.methods
@@ -300,7 +305,7 @@ async def _lifespan(app: FastAPI):
 
 def build_app(engine, served_model_names: list[str] | str | None = None, api_key: str | None = None,
               log_requests: bool = True, engine_loop: EngineLoop | None = None, limits: ServerLimits | None = None,
-              enable_docs: bool = False) -> FastAPI:
+              enable_docs: bool = False, fallbacks: FallbackConfig | None = None) -> FastAPI:
     """A FastAPI app serving `engine` with OpenAI's API.
 
     Args:
@@ -316,6 +321,7 @@ def build_app(engine, served_model_names: list[str] | str | None = None, api_key
             from the engine's tokenizer here. The connection limits in it are uvicorn's to enforce
             (`connection.uvicorn_options`).
         enable_docs: serve the OpenAPI schema at /openapi.json (behind the key, if one is set).
+        fallbacks: load shedding, time limit, KV-pressure cap (`fallbacks.FallbackConfig`; default: all off).
 
     Returns:
         the app; its engine loop starts with the app (lifespan) or on the first request.
@@ -334,8 +340,24 @@ def build_app(engine, served_model_names: list[str] | str | None = None, api_key
     app.state.metrics = engine_loop.metrics or ServerMetrics(names[0])
     app.state.served_model_names = names
     app.state.page = page_with_headers((STATIC_DIR / "index.html").read_text(encoding="utf-8"))
-    app.state.serving = OpenAIServing(engine, engine_loop, names, log_requests, limits)
+    app.state.serving = OpenAIServing(engine, engine_loop, names, log_requests, limits, fallbacks)
+    app.state.metrics.set_cache_config(cache_config_labels(engine_loop, engine))
     if api_key:
         app.add_middleware(_AuthMiddleware, api_key=api_key, metrics=app.state.metrics)
     app.include_router(router)
+    app.include_router(ops_router)
+    app.include_router(legacy_router)
     return app
+
+
+def cache_config_labels(engine_loop, engine) -> dict:
+    """The labels of `cache_config_info`: the KV pool's size and the engine's cache settings (vLLM's names
+    where it has them: block_size, num_gpu_blocks, num_cpu_blocks, cache_dtype, enable_prefix_caching)."""
+    pool = dict(getattr(engine_loop, "kv_pool_info", None) or {})
+    args = getattr(engine_loop, "engine_args", None) or getattr(engine, "args", None)
+    labels = {"block_size": pool.get("block_size"), "num_gpu_blocks": pool.get("num_blocks"),
+              "num_cpu_blocks": pool.get("num_cpu_blocks"), "cache_bytes": pool.get("bytes")}
+    for name, field in (("cache_dtype", "kv_cache_dtype"), ("enable_prefix_caching", "enable_prefix_caching"),
+                        ("swap_space", "swap_space"), ("gpu_memory_utilization", "gpu_memory_utilization")):
+        labels[name] = getattr(args, field, None)
+    return labels

@@ -19,10 +19,13 @@ from typing import AsyncIterator
 
 import anyio
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minfer.sampling_params import SamplingParams
 from minfer.serve.engine_loop import EngineLoop, RequestGroup, RequestSnapshot
+from minfer.serve.fallbacks import (
+    TIMEOUT_FINISH_REASON, Deadline, FallbackConfig, GatedGroup, WaitingGate, cap_under_kv_pressure, events_until, request_timeout_setting,
+    timed_out_snapshots, truncate_prompt_tokens_setting, truncate_prompts)
 from minfer.serve.limits import ServerLimits
 from minfer.serve.protocol import (
     SSE_DONE, APIError, StreamChunks, TokenText, completion_response, fit_max_tokens, sse)
@@ -43,10 +46,11 @@ class OpenAIServing:
         served_model_names: names clients may put in "model"; the first one is reported by default.
         log_requests: log each request's id, prompt count and sampling parameters.
         limits: what one request may ask (`limits.ServerLimits`, its `max_prompt_chars` resolved).
+        fallbacks: load shedding, time limit and the KV-pressure cap (`fallbacks.FallbackConfig`; default: off).
     """
 
     def __init__(self, engine, engine_loop: EngineLoop, served_model_names: list[str], log_requests: bool,
-                 limits: ServerLimits):
+                 limits: ServerLimits, fallbacks: FallbackConfig | None = None):
         self.engine = engine
         self.limits = limits
         self.engine_loop = engine_loop
@@ -56,6 +60,8 @@ class OpenAIServing:
         self.tok_text = TokenText(engine.tokenizer)
         self.started = time.time()
         self.log_requests = log_requests
+        self.fallbacks = fallbacks or FallbackConfig()
+        self.gate = WaitingGate(self.fallbacks.max_waiting_requests)
 
     async def generate(self, request: Request, body: dict, prompts: list[list[int]], params: SamplingParams, *,
                        chat: bool, model: str, id_prefix: str, default_max_tokens: int | None,
@@ -64,34 +70,77 @@ class OpenAIServing:
 
         `default_max_tokens` is the endpoint's default for an omitted max_tokens (None: up to max_model_len);
         each prompt gets it capped to what is left after it (`protocol.fit_max_tokens`). `echo_prompts` and
-        `score_only`: completions' echo (`protocol.completion_response`).
+        `score_only`: completions' echo (`protocol.completion_response`). The fallbacks (`fallbacks.py`) apply
+        here, in this order: `truncate_prompt_tokens`, the waiting-requests limit (503), the KV-pressure cap,
+        the time limit.
         """
         req_id = f"{id_prefix}-{uuid.uuid4().hex}"
         arrival = time.perf_counter()
-        group = RequestGroup(self.engine_loop, req_id, len(prompts))
+        keep = truncate_prompt_tokens_setting(body, self.max_model_len)
+        timeout = request_timeout_setting(body, self.fallbacks)
+        if keep is not None and any(len(p) > keep for p in prompts):
+            prompts = truncate_prompts(prompts, keep)
+            if echo_prompts is not None:  # the echo is of what ran
+                echo_prompts = [self.engine.tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
+        per_prompt = [fit_max_tokens(params, len(p), self.max_model_len, default_max_tokens) for p in prompts]
+        per_prompt, fallback = cap_under_kv_pressure(
+            per_prompt, self.engine_loop.latest_stats.get("kv_cache_usage"), self.fallbacks)
+        try:
+            self.gate.admit(len(prompts), _recent_ttft(self.engine_loop))
+        except APIError:
+            if self.engine_loop.metrics is not None:
+                self.engine_loop.metrics.count_fallback("shed")
+            raise
+        group = GatedGroup(self.engine_loop, req_id, len(prompts), self.gate)
         if self.log_requests:
             logger.info("request %s: %d prompt(s), %s", req_id, len(prompts), params)
-        per_prompt = [fit_max_tokens(params, len(p), self.max_model_len, default_max_tokens) for p in prompts]
+        if fallback is not None:
+            logger.info("request %s: KV pressure, %s", req_id, fallback)
+            if self.engine_loop.metrics is not None:
+                self.engine_loop.metrics.count_fallback("max_tokens_capped")
         await group.submit(prompts, per_prompt, arrival)
         created = int(time.time())
         k = params.logprobs or 0
+        deadline = Deadline(arrival, timeout)
+        headers = {} if fallback is None else {"X-Max-Tokens-Capped": str(fallback["max_tokens_capped"]["granted"])}
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             chunks = StreamChunks(req_id, created, model, group.index, params.n, k, self.tok_text, chat=chat)
-            return _SSEResponse(_stream(group, chunks, include_usage, req_id), media_type="text/event-stream",
-                                headers=_SSE_HEADERS)
-        final = await _collect_unless_disconnected(request, group, req_id)
+            return _SSEResponse(_stream(group, chunks, include_usage, req_id, deadline, self.engine_loop.metrics),
+                                media_type="text/event-stream", headers={**_SSE_HEADERS, **headers})
+        final = await _collect_unless_disconnected(request, group, req_id, deadline)
         if final is None:  # answered with nginx's "client closed request", for the access log: nobody reads it
             return Response(status_code=499)
-        return completion_response(req_id, created, model, [final[rid] for rid in group.rids], params.n, k,
-                                   self.tok_text, chat=chat, echo_prompts=echo_prompts, score_only=score_only)
+        if deadline.expired:
+            snaps = timed_out_snapshots(group, final, prompts, params.n)
+            _count_timeout(self.engine_loop.metrics)
+        else:
+            snaps = [final[rid] for rid in group.rids]
+        answer = completion_response(req_id, created, model, snaps, params.n, k,
+                                     self.tok_text, chat=chat, echo_prompts=echo_prompts, score_only=score_only)
+        if fallback is not None:
+            answer["fallback"] = fallback
+        return JSONResponse(answer, headers=headers) if headers else answer
 
 
-async def _collect(group: RequestGroup) -> dict[str, RequestSnapshot]:
-    """The last snapshot of each request of `group`, once all finished."""
-    final: dict[str, RequestSnapshot] = {}
-    async for snap in group.events():
+def _recent_ttft(engine_loop) -> float | None:
+    """Mean of the last few TTFTs (seconds), for a 503's Retry-After; None before any."""
+    recent = [t for _, t in list(getattr(engine_loop, "recent_ttfts", ()))[-8:]]
+    return sum(recent) / len(recent) if recent else None
+
+
+def _count_timeout(metrics) -> None:
+    if metrics is not None:
+        metrics.count_fallback("timeout")
+
+
+async def _collect(group: RequestGroup, deadline: Deadline, final: dict[str, RequestSnapshot]) -> dict[str, RequestSnapshot]:
+    """The last snapshot of each request of `group` (into `final`), once all finished or the deadline passed
+    (then the unfinished ones are aborted: their KV blocks freed)."""
+    async for snap in events_until(group, deadline):
         final[snap.request_id] = snap
+    if deadline.expired:
+        group.abort()
     return final
 
 
@@ -102,10 +151,10 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-async def _collect_unless_disconnected(request: Request, group: RequestGroup,
-                                       req_id: str) -> dict[str, RequestSnapshot] | None:
+async def _collect_unless_disconnected(request: Request, group: RequestGroup, req_id: str,
+                                       deadline: Deadline) -> dict[str, RequestSnapshot] | None:
     """`_collect(group)`, or None (its requests aborted) if the client disconnects first."""
-    collect_task = asyncio.ensure_future(_collect(group))
+    collect_task = asyncio.ensure_future(_collect(group, deadline, {}))
     disconnect_task = asyncio.ensure_future(_wait_disconnect(request))
     try:
         done, _ = await asyncio.wait({collect_task, disconnect_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -120,19 +169,35 @@ async def _collect_unless_disconnected(request: Request, group: RequestGroup,
     return collect_task.result()
 
 
-async def _stream(group: RequestGroup, chunks: StreamChunks, include_usage: bool, req_id: str) -> AsyncIterator[str]:
-    """The events of a streamed answer; an engine failure mid-stream is sent as an error event, then [DONE]."""
+async def _stream(group: RequestGroup, chunks: StreamChunks, include_usage: bool, req_id: str,
+                  deadline: Deadline, metrics=None) -> AsyncIterator[str]:
+    """The events of a streamed answer; an engine failure mid-stream is sent as an error event, then [DONE].
+    At the deadline the unfinished choices end with one chunk each, `finish_reason: "timeout"`."""
     try:
+        # Chat's role chunk goes out with the first generated token, as vLLM sends it, not at admission:
+        # clients time the first chunk as TTFT, and before prefill nothing has been generated yet.
         first = chunks.first()
-        if first is not None:
-            yield first
         try:
-            async for snap in group.events():
+            async for snap in events_until(group, deadline):
                 chunk = chunks.on_snapshot(snap)
                 if chunk is not None:
+                    if first is not None:
+                        yield first
+                        first = None
                     yield chunk
         except APIError as err:  # the status line is long gone: the error travels as an event
+            if first is not None:
+                yield first
+                first = None
             yield sse(err.body())
+        if first is not None:  # nothing was generated (e.g. aborted): the stream still opens with the role
+            yield first
+        if deadline.expired:
+            group.abort()
+            _count_timeout(metrics)
+            last = chunks.finish_unfinished(group.rids, TIMEOUT_FINISH_REASON)
+            if last is not None:
+                yield last
         if include_usage:
             yield chunks.usage_chunk()
         yield SSE_DONE
