@@ -46,7 +46,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.metrics_core import Metric
 from prometheus_client.samples import Sample
 
-from minfer.serve.metrics import ServerMetrics
+from minfer.serve.metrics import ServerMetrics, _WithVllmNames
 from minfer.serve.protocol import APIError
 
 logger = logging.getLogger("minfer.serve")
@@ -199,7 +199,7 @@ class _ReplicaCollector:
         families: dict[str, Metric] = {}
         for i, metrics in enumerate(self.replicas):
             for fam in metrics.registry.collect():
-                if fam.name == "minfer:request_errors":  # counted by the API server, before any routing
+                if fam.name in ("minfer:request_errors", "minfer:request_fallbacks"):  # counted by the API server
                     continue
                 out = families.get(fam.name)
                 if out is None:
@@ -231,11 +231,24 @@ class DPMetrics:
                                  "Unfinished engine requests on each replica (the router's count).", lbl, registry=r)
         self.up = Gauge("minfer:replica_up", "1 while the replica's engine process runs, else 0.", lbl, registry=r)
 
+        self._fallbacks = Counter("minfer:request_fallbacks", "Fallbacks applied by the API server (fallbacks.py), "
+                                  "counted before any routing.", ["model_name", "kind"], registry=r)
+
     def count_error(self, status: int) -> None:
         self._errors.labels(self.model_name, str(status)).inc()
 
+    def count_fallback(self, kind: str) -> None:
+        """A fallback of the API server (shed, max_tokens_capped, timeout): counted here, before any routing."""
+        self._fallbacks.labels(self.model_name, kind).inc()
+
+    def set_cache_config(self, info: dict) -> None:
+        """`cache_config_info` of every replica (each exports it with its `replica` label)."""
+        for metrics in self.replicas:
+            metrics.set_cache_config(info)
+
     def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        """The exposition with `minfer:` and `vllm:` names, as one server's (`ServerMetrics.render`)."""
+        return generate_latest(_WithVllmNames(self.registry)), CONTENT_TYPE_LATEST
 
 
 # ----------------------------------------------------------------------------------------------------------
