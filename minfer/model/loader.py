@@ -114,6 +114,7 @@ def load_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torc
         # A model whose checkpoint names/layouts are not Llama's (GPT-2's transposed Conv1D, BLOOM's per-head
         # interleaved QKV) renames and reshapes its tensors itself and handles its own tied head.
         named_tensors, tied = remap(named_tensors), False
+    skip = getattr(model, "skip_checkpoint_tensor", None)  # pipeline parallelism: the other stages' tensors
     loaded: set[str] = set()
     for name, tensor in named_tensors:
         ckpt_name = name
@@ -123,6 +124,8 @@ def load_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torc
             continue  # tied checkpoints may repeat the table; the embedding's copy is the one we load
         if tied and name == "model.embed_tokens.weight":
             name = "lm_head.weight"
+        if skip is not None and skip(name):
+            continue  # another pipeline stage holds this tensor
         shard = None
         for ckpt, (ours, idx) in mapping.items():
             if f".{ckpt}." in name:
