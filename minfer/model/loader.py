@@ -153,6 +153,16 @@ def load_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torc
         raise ValueError(f"{source}: checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
 
 
+def read_model_config(source: ModelSource) -> ModelConfig:
+    """The `ModelConfig` of a resolved model without reading its weights (the parallel executor checks the
+    split before any rank loads). Raises ValueError as `hf_config` / `gguf_config`."""
+    if source.kind == "gguf":
+        from minfer.model.gguf import gguf_config, open_gguf
+
+        return gguf_config(open_gguf(source.path), source.path)[0]
+    return hf_config(source.path)[0]
+
+
 def check_finite(tensor: torch.Tensor, what: str) -> None:
     """Raise ValueError("<what> holds NaN or infinite values ...") if a floating `tensor` is not all finite.
     Integer tensors (a quantized method's codes) have no NaN and pass.
