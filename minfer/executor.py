@@ -247,6 +247,12 @@ class MultiprocExecutor:
     def release(self, seq_ids: list[int]) -> None:
         self._run("release", seq_ids)
 
+    def set_num_micro_batches(self, m: int) -> None:
+        """Cut each later step into `m` micro-batches on every rank (pipeline_micro_batches, at run time)."""
+        if not isinstance(m, int) or m < 1:
+            raise ValueError(f"micro-batches must be an integer >= 1, got {m!r}")
+        self._run("set_num_micro_batches", m)
+
     def collect_timeline(self) -> list[dict]:
         """Every rank's recorded micro-batch forwards since the last call (`minfer.parallel.timeline`)."""
         if self._failed:

@@ -194,6 +194,10 @@ class Worker:
             return rows, None
         return rows, self.model.compute_logits(hidden[ctx.logits_indices]).float()
 
+    def set_num_micro_batches(self, m: int) -> None:
+        """Micro-batches per pipeline step from now on (the benchmark sweeps it on one running job)."""
+        self.num_micro_batches = int(m)
+
     @torch.inference_mode()
     def execute_parallel(self, batch: "ScheduledBatch", sample: bool = True):
         """One step on this rank of a tensor- and/or pipeline-parallel job (every rank runs it on the same batch).

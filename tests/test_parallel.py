@@ -233,8 +233,8 @@ def _prompts(n=6, seed=0):
 
 
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-# A pool of 12 blocks of 8 tokens for 6 sequences of up to ~80 tokens: preemption (recompute) happens.
-ENGINE = dict(max_model_len=128, seed=0, attention_backend="torch", block_size=8, enable_chunked_prefill=True,
+# A pool of 14 blocks of 8 tokens for 6 sequences of up to 82 tokens: preemption (recompute) happens.
+ENGINE = dict(max_model_len=96, seed=0, attention_backend="torch", block_size=8, enable_chunked_prefill=True,
               max_num_batched_tokens=32, enable_prefix_caching=True)
 
 
@@ -250,8 +250,8 @@ def _generate(model, **kw):
 
 
 def _pool_bytes():
-    # 4 layers x 2 (K, V) x 8 tokens x 2 KV heads x 8 dims x 4 bytes = 2 KiB a block; 12 blocks.
-    return 12 * 4 * 2 * 8 * 2 * 8 * 4
+    # 4 layers x 2 (K, V) x 8 tokens x 2 KV heads x 8 dims x 4 bytes = 4 KiB a block; 14 blocks.
+    return 14 * 4 * 2 * 8 * 2 * 8 * 4
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""`python -m minfer.bench {decode,gemv,engine,serve,profile,spec} ...`: pick a benchmark.
+"""`python -m minfer.bench {decode,gemv,engine,serve,profile,spec,parallel} ...`: pick a benchmark.
 
 - decode: batch-1 decode tokens/s, minfer vs transformers `generate()`, and the memory-bandwidth ceiling.
 - gemv: batch-1 matrix-vector GB/s per weight layout (why `Linear` repacks its weights).
@@ -6,6 +6,7 @@
 - serve: a `vllm bench serve`-style client against any OpenAI-compatible server.
 - profile: where one request's time goes, phase by phase and the forward by op type.
 - spec: speculative decoding (n-gram, draft model) speed-up against acceptance, vs the formula.
+- parallel: the pipeline bubble against (p - 1)/(m + p - 1), and tensor parallelism's all-reduce cost.
 """
 
 import importlib
@@ -13,7 +14,7 @@ import sys
 
 _COMMANDS = {"decode": "minfer.bench.decode", "gemv": "minfer.bench.gemv", "engine": "minfer.bench.engine", "serve": "minfer.bench.serve",
              "profile": "minfer.bench.profile",
-             "spec": "minfer.bench.spec"}
+             "spec": "minfer.bench.spec", "parallel": "minfer.bench.parallel"}
 
 
 def main(argv: list[str] | None = None) -> int:
