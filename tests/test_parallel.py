@@ -340,3 +340,53 @@ def test_smollm2_tp3_greedy_equals_one_rank():
         finally:
             llm.llm_engine.executor.shutdown()
     assert out[3] == out[1]
+
+
+def _descendants(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of every process below `pid`, read from /proc (Linux)."""
+    from pathlib import Path
+
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            try:
+                cmd = Path(f"/proc/{c}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            out.append((c, cmd))
+            todo.append(c)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc to find the worker process")
+def test_server_with_a_dead_worker_fails_requests_and_reports_unhealthy(rand_model):
+    import signal
+
+    import httpx
+
+    from .serving import running_server
+
+    args = [rand_model, "--tensor-parallel-size", "2", "--attention-backend", "torch", "--max-model-len", "96",
+            "--kv-cache-memory-bytes", "4M"]
+    with running_server(args, check_log=False) as url:
+        body = dict(model=rand_model, prompt="w3 w4 w5", max_tokens=4, temperature=0)
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+        procs = [(pid, cmd) for pid, cmd in _descendants(os.getpid()) if "worker_main(1)" in cmd]
+        assert len(procs) == 1, procs
+        os.kill(procs[0][0], signal.SIGKILL)  # the worker this test's server started
+        t0 = time.perf_counter()
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code >= 500 and "rank 1" in r.text, r.text
+        while httpx.get(url + "/health", timeout=5).status_code != 503:
+            assert time.perf_counter() - t0 < 60, "the server still reports healthy"
+            time.sleep(0.5)
