@@ -390,3 +390,34 @@ def test_server_with_a_dead_worker_fails_requests_and_reports_unhealthy(rand_mod
         while httpx.get(url + "/health", timeout=5).status_code != 503:
             assert time.perf_counter() - t0 < 60, "the server still reports healthy"
             time.sleep(0.5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_torchrun_backend_equals_one_rank(rand_model, tmp_path):
+    """`torchrun --nproc-per-node 2` runs the same script on two ranks; rank 1 becomes the worker inside LLM()."""
+    import json
+    import subprocess
+    import sys
+
+    from minfer.executor import _free_port
+
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import json, sys\n"
+        "from minfer import LLM, SamplingParams\n"
+        f"llm = LLM(model={rand_model!r}, tensor_parallel_size=2, distributed_executor_backend='torchrun',\n"
+        "          attention_backend='torch', max_model_len=96, kv_cache_memory_bytes=1 << 22, seed=0)\n"
+        f"outs = llm.generate({_prompts(3)!r}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))\n"
+        "print('RESULT', json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)\n"
+        "llm.llm_engine.executor.shutdown()\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                        str(_free_port()), str(script)], env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("RESULT"))[7:])
+    llm = LLM(model=rand_model, attention_backend="torch", max_model_len=96, kv_cache_memory_bytes=1 << 22, seed=0)
+    want = [o.outputs[0].token_ids for o in llm.generate(_prompts(3), SamplingParams(temperature=0, max_tokens=8,
+                                                                                      ignore_eos=True))]
+    assert got == want
