@@ -421,3 +421,29 @@ def test_torchrun_backend_equals_one_rank(rand_model, tmp_path):
     want = [o.outputs[0].token_ids for o in llm.generate(_prompts(3), SamplingParams(temperature=0, max_tokens=8,
                                                                                       ignore_eos=True))]
     assert got == want
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("quantization, config", [("int8", None), ("int4", {"group_size": 32})])
+def test_quantized_shards_equal_quantized_one_rank(rand_model, quantization, config):
+    """The parallel layers compose with the quantization methods: each rank quantizes its shard after loading.
+    (Per-row int8 scales are the same whether a row is whole or split by rows; the row-parallel layers' scales
+    cover half a row, which on this model still gives TP=1's greedy tokens.)"""
+    out = {}
+    for tp in (1, 2):
+        llm = LLM(model=rand_model, tensor_parallel_size=tp, quantization=quantization, quantization_config=config,
+                  attention_backend="torch", max_model_len=96, kv_cache_memory_bytes=1 << 22, seed=0)
+        try:
+            out[tp] = [o.outputs[0].token_ids for o in llm.generate(_prompts(4), PARAMS)]
+        finally:
+            llm.llm_engine.executor.shutdown()
+    assert out[2] == out[1]
+
+
+@pytest.mark.timeout(120)
+def test_int4_group_that_does_not_divide_a_shard_is_a_clear_error(rand_model):
+    # intermediate 128 / tp 2 = 64-wide down_proj shards, hidden 64 / 2 = 32-wide o_proj shards: group 64 fails.
+    with pytest.raises(Exception, match="group_size=64 does not divide"):
+        LLM(model=rand_model, tensor_parallel_size=2, quantization="int4", quantization_config={"group_size": 64},
+            attention_backend="torch", max_model_len=96, kv_cache_memory_bytes=1 << 22)
