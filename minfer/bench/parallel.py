@@ -165,7 +165,23 @@ def _tp_points(model: str, sizes: list[int], decode_tokens: int, prompt_len: int
     for pt in out:
         base = next(b for b in out if b["tp"] == 1 and b["workload"] == pt["workload"])
         pt["speedup_vs_tp1"] = pt["tokens_per_s"] / base["tokens_per_s"]
+    add_computed_scaling(out)
     return out
+
+
+def add_computed_scaling(points: list[dict]) -> None:
+    """Computed, not measured: for each TP>1 point, the speed-up TP would give if the TP=1 forward time per
+    token measured here were split perfectly over the ranks and the all-reduces cost what `computed_on_links`
+    says, (t1) / (t1 / tp + all-reduce on the link), and the all-reduce's share of that step."""
+    for pt in points:
+        if pt["tp"] == 1 or "computed_on_links" not in pt:
+            continue
+        base = next(b for b in points if b["tp"] == 1 and b["workload"] == pt["workload"])
+        t1 = base["forward_s"] / base["tokens"] * 1e3  # ms per token at TP=1
+        for link in pt["computed_on_links"].values():
+            comm = link["all_reduce_ms_per_token"]
+            link["computed_speedup_vs_tp1"] = t1 / (t1 / pt["tp"] + comm)
+            link["computed_all_reduce_share"] = comm / (t1 / pt["tp"] + comm)
 
 
 def main(argv: list[str] | None = None) -> int:
