@@ -447,3 +447,25 @@ def test_int4_group_that_does_not_divide_a_shard_is_a_clear_error(rand_model):
     with pytest.raises(Exception, match="group_size=64 does not divide"):
         LLM(model=rand_model, tensor_parallel_size=2, quantization="int4", quantization_config={"group_size": 64},
             attention_backend="torch", max_model_len=96, kv_cache_memory_bytes=1 << 22)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tp2_with_ngram_speculation_and_beam_search(rand_model):
+    """The worker's other paths run sharded too: n-gram speculation (verification on the output rank) and beam
+    search (which calls the executor's compute_logits) give TP=1's results."""
+    from minfer.sampling_params import BeamSearchParams
+
+    prompts = _prompts(4)
+    spec = dict(method="ngram", num_speculative_tokens=3)
+    out = {}
+    for tp in (1, 2):
+        llm = LLM(model=rand_model, tensor_parallel_size=tp, attention_backend="torch", max_model_len=96,
+                  kv_cache_memory_bytes=1 << 22, seed=0, speculative_config=spec)
+        try:
+            out[tp] = ([o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)],
+                       [[b.tokens for b in o.sequences] for o in llm.beam_search(
+                           [{"prompt_token_ids": p} for p in prompts[:2]], BeamSearchParams(beam_width=3, max_tokens=6))])
+        finally:
+            llm.llm_engine.executor.shutdown()
+    assert out[2] == out[1]
