@@ -117,11 +117,17 @@ class MultiprocExecutor:
                                  f"WORLD_SIZE={os.environ.get('WORLD_SIZE')!r}")
             init_method = "env://"
             ctrl = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1)
-            authkey = os.environ.get("MINFER_DIST_AUTHKEY", "minfer-" + os.environ["MASTER_PORT"]).encode()
+            # The control connections carry pickles, so they are authenticated (HMAC) with a shared key. On one
+            # machine a key derived from the port will do; across machines the user must give a secret one.
+            key = os.environ.get("MINFER_DIST_AUTHKEY")
+            if key is None and int(os.environ.get("LOCAL_WORLD_SIZE", world)) < world:
+                raise ValueError("a multi-node torchrun job needs MINFER_DIST_AUTHKEY set to the same secret on "
+                                 "every node (it authenticates the driver's control connections)")
+            authkey = (key or "minfer-" + os.environ["MASTER_PORT"]).encode()
             if rank != 0:
                 worker_loop(args, rank, init_method, _connect(ctrl, authkey))
                 sys.exit(0)  # a torchrun worker rank ends here, with the job
-            listener = Listener(("0.0.0.0", ctrl[1]), authkey=authkey)
+            listener = Listener(ctrl, authkey=authkey)  # MASTER_ADDR: the address the other nodes reach rank 0 at
         else:
             init_method = f"tcp://127.0.0.1:{_free_port()}"
             authkey = secrets.token_bytes(16)
@@ -149,7 +155,9 @@ class MultiprocExecutor:
     # -- plumbing ------------------------------------------------------------------------------------------
     def _accept(self, listener: Listener) -> None:
         """Take one control connection per worker rank (each says its rank first)."""
-        listener._listener._socket.settimeout(1.0)  # so a worker that died before connecting is noticed
+        # Listener has no accept timeout; its socket's (a CPython internal) lets the loop notice a worker that
+        # died before connecting instead of blocking in accept() for ever.
+        listener._listener._socket.settimeout(1.0)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while len(self._conns) < self.world - 1:
             self._check_procs()

@@ -7,6 +7,7 @@ sampler, and the forward of each scheduled step.
     .execute_model(batch)         swap/copy blocks, build one ForwardContext, run the model, sample
     .compute_logits(batch)        the same without sampling: the logits (beam search scores them itself)
     .release(seq_ids)             forget per-sequence state (seeded random streams) of retired sequences
+    .execute_parallel(batch)      one rank's part of a tensor/pipeline-parallel step (micro-batches, stages)
 
 The scheduler and block manager stay with the engine (the driver): a worker receives a step's sequences
 with their block tables and returns the sampled tokens. With tensor or pipeline parallelism (chapter 12)
