@@ -284,7 +284,7 @@ def test_pipeline_timeline_has_micro_batches_in_flight(rand_model):
         ex = llm.llm_engine.executor
         ex.collect_timeline()
         overlaps = []
-        for _ in range(3):  # one prefill step each
+        for _ in range(6):  # one prefill step each
             llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1))
             ev = ex.collect_timeline()
             assert len({e["step"] for e in ev}) == 1
@@ -299,7 +299,10 @@ def test_pipeline_timeline_has_micro_batches_in_flight(rand_model):
     finally:
         llm.llm_engine.executor.shutdown()
     # ... and the two stages ran at the same time: micro-batches in flight (a step run one micro-batch at a
-    # time, stage after stage, would have no overlap at all).
+    # time, stage after stage, would have no overlap at all). On a machine so loaded that the two processes
+    # never get a core at the same moment there is nothing to see: that is skipped, not passed.
+    if max(overlaps) == 0 and os.getloadavg()[0] > 2 * (os.cpu_count() or 1):
+        pytest.skip(f"no two stages ran at once in 6 steps at load {os.getloadavg()[0]:.0f} on {os.cpu_count()} cores")
     assert max(overlaps) > 0
 
 
