@@ -218,7 +218,15 @@ class EngineArgs:
         quantization: weight quantization, None or one of "int8", "int4", "gguf" (`minfer.quantization`).
         quantization_config: the method's settings, a dict or a JSON object string ({"group_size": 64} for
             int4); parsed into a dict here.
-        tensor_parallel_size, pipeline_parallel_size, kv_cache_dtype: later chapters.
+        tensor_parallel_size: ranks each layer is split over (chapter 12): heads, MLP columns and the
+            vocabulary are divided among them, with one all-reduce after attention and one after the MLP.
+        pipeline_parallel_size: stages the layers are cut into (chapter 12), one rank group each.
+        distributed_executor_backend: with more than one rank, who starts the workers: "mp" (the default:
+            the engine spawns them, as vLLM's multiprocessing executor) or "torchrun" (every rank is started by
+            `torchrun --nproc-per-node N [--nnodes ...]`, which runs the same command; rank 0 is the engine).
+        pipeline_micro_batches: micro-batches a step's rows are cut into for the pipeline (minfer's knob,
+            not vLLM's); None = one per stage. More shrink the bubble, (p - 1) / (m + p - 1).
+        kv_cache_dtype: a later chapter.
         data_parallel_size: whole-model replicas (engine processes) behind the server's router
             (`minfer.serve.router`, chapter 12b), an integer >= 1; one `LLMEngine` is one replica and
             refuses > 1, so it is only the server that runs N (`python -m minfer.serve --data-parallel-size N`).
@@ -247,6 +255,8 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    pipeline_micro_batches: int | None = None
     quantization: str | None = None
     quantization_config: dict | str | None = None
     kv_cache_dtype: str = "auto"
@@ -311,15 +321,25 @@ class EngineArgs:
                 not isinstance(self.max_parallel_loading_workers, int) or isinstance(self.max_parallel_loading_workers, bool)
                 or self.max_parallel_loading_workers < 1):
             raise bad("max_parallel_loading_workers", "an integer >= 1 or None")
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} {_NOT_BUILT}")
-        if self.pipeline_parallel_size != 1:
-            raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} {_NOT_BUILT}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) < 1:
+                raise bad(name, "an integer >= 1")
+        if self.distributed_executor_backend not in (None, "mp", "torchrun"):
+            raise bad("distributed_executor_backend", "None, 'mp' or 'torchrun'")
+        m = self.pipeline_micro_batches
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
+            raise bad("pipeline_micro_batches", "None or an integer >= 1")
         self.quantization_config = parse_quantization_config(self.quantization, self.quantization_config)
+        if self.world_size > 1 and self.quantization == "gguf":
+            raise ValueError("quantization='gguf' keeps the file's Q4 blocks whole and cannot be split over ranks "
+                             "yet; with tensor or pipeline parallelism use int8 or int4 (or no quantization)")
         if self.kv_cache_dtype not in ("auto",):
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} {_NOT_BUILT}")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+            if self.world_size > 1 and self.speculative_config.method == "draft_model":
+                raise ValueError("a draft model with tensor or pipeline parallelism is not built: use "
+                                 "speculative_config method 'ngram', or tensor_parallel_size=pipeline_parallel_size=1")
         if self.device is not None:  # checked here, not left to torch's AssertionError deep inside loading
             import re
 
@@ -334,6 +354,48 @@ class EngineArgs:
             if cuda is not None and cuda.group(1) is not None and int(cuda.group(1)) >= torch.cuda.device_count():
                 raise ValueError(f"device={self.device!r}, but torch finds {torch.cuda.device_count()} CUDA "
                                  "device(s), numbered from 0")
+
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the job: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+PARALLEL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+def verify_parallel_config(cfg: "ModelConfig", tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
+    """Check that the model splits over the ranks, before any weight is loaded (vLLM's
+    `verify_with_parallel_config`): query heads, KV heads (a multiple or a divisor of tp: fewer KV heads than
+    ranks are replicated), the MLP width divisible by tensor_parallel_size; at least one layer per stage.
+
+    Raises:
+        ValueError: naming the size, the model's number and what would divide it.
+    """
+    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    if tp * pp == 1:
+        return
+    if cfg.architecture not in PARALLEL_ARCHITECTURES:
+        raise ValueError(f"tensor/pipeline parallelism is built for {', '.join(PARALLEL_ARCHITECTURES)}; "
+                         f"this model is {cfg.architecture}")
+
+    def divisors(n):
+        return [d for d in range(1, n + 1) if n % d == 0]
+
+    h, kvh = cfg.num_attention_heads, cfg.num_key_value_heads
+    if h % tp:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {h} attention heads "
+                         f"(num_attention_heads); sizes that do: {divisors(h)}")
+    if (kvh >= tp and kvh % tp) or (kvh < tp and tp % kvh):
+        raise ValueError(f"tensor_parallel_size={tp} and the model's {kvh} KV heads (num_key_value_heads): tp must "
+                         "divide them, or be a multiple of them (each KV head is then replicated)")
+    if cfg.intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide the MLP width {cfg.intermediate_size} "
+                         "(intermediate_size)")
+    if pp > cfg.num_hidden_layers:
+        raise ValueError(f"pipeline_parallel_size={pp} is larger than the model's {cfg.num_hidden_layers} layers "
+                         "(num_hidden_layers): every stage needs at least one layer")
 
 
 @dataclass

@@ -22,7 +22,7 @@ import torch
 from minfer.block_manager import BlockManager
 from minfer.config import EngineArgs, ModelConfig
 from minfer.detokenizer import OutputProcessor
-from minfer.executor import UniProcExecutor
+from minfer.executor import make_executor
 from minfer.kv_cache import bytes_per_block, determine_num_blocks
 from minfer.memory import physical_memory_bytes
 from minfer.model.gguf import gguf_cache_path
@@ -110,7 +110,7 @@ class LLMEngine:
                              "run replicas with python -m minfer.serve --data-parallel-size N")
         self.args = args
         t0 = time.perf_counter()
-        self.executor = UniProcExecutor(args)
+        self.executor = make_executor(args)  # one worker here, or one per rank (chapter 12)
         worker = self.executor.driver_worker
         cfg, self.device = worker.config, worker.device
         self.model_name = args.model

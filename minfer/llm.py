@@ -146,6 +146,9 @@ class LLM:
         params = (sampling_params or SamplingParams()).clone(_eos_token_ids=tuple(self.tokenizer.eos_token_ids))
         text, ids = engine.tokenize_prompt(prompt)
         validate_prompt(ids, params, engine.max_model_len, engine.model_config.vocab_size)
+        if engine.args.world_size > 1:  # rank 0's model is a shard: its all-reduces need the other ranks
+            raise ValueError("the simple path runs one process's model; with tensor_parallel_size or "
+                             "pipeline_parallel_size > 1 use generate()")
         if self._simple is None:
             worker = engine.worker
             self._simple = SimpleGenerator(worker.model, Sampler(worker.generator), OutputProcessor(self.tokenizer))

@@ -7,14 +7,17 @@ sampler, and the forward of each scheduled step.
     .execute_model(batch)         swap/copy blocks, build one ForwardContext, run the model, sample
     .compute_logits(batch)        the same without sampling: the logits (beam search scores them itself)
     .release(seq_ids)             forget per-sequence state (seeded random streams) of retired sequences
+    .execute_parallel(batch)      one rank's part of a tensor/pipeline-parallel step (micro-batches, stages)
 
 The scheduler and block manager stay with the engine (the driver): a worker receives a step's sequences
-with their block tables and returns the sampled tokens. With tensor or pipeline parallelism (chapter 6)
-each rank has one worker holding its shard of the model and of the pool.
+with their block tables and returns the sampled tokens. With tensor or pipeline parallelism (chapter 12)
+each rank has one worker holding its shard of the model (`minfer.parallel`) and of the pool (its KV heads
+of its stage's layers), and runs `execute_parallel`: the step's micro-batches through its stage.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -25,12 +28,23 @@ from minfer.attention import ContiguousBackend, ForwardContext, get_attn_backend
 from minfer.config import EngineArgs
 from minfer.kv_cache import KVCachePool
 from minfer.model.loader import load_model
+from minfer.parallel.parallel_state import get_parallel_state
+from minfer.parallel.pipeline import recv_from_prev_stage, send_to_next_stage, split_micro_batches, stage_layers
+from minfer.parallel.timeline import TimelineRecorder
 from minfer.sampling import Sampler
 
 if TYPE_CHECKING:
     from minfer.scheduler import ScheduledBatch
 
 logger = logging.getLogger("minfer.worker")
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """A slice of a step's rows (what `prepare_inputs` reads of a `ScheduledBatch`)."""
+
+    seqs: list
+    num_new_tokens: list
 
 
 class Worker:
@@ -52,6 +66,16 @@ class Worker:
         self.config, self.source, self.eos_token_ids, self.dtype = (
             loaded.config, loaded.source, loaded.eos_token_ids, loaded.dtype)
         self.device = next(self.model.parameters()).device
+        # This rank's part of the KV pool: its KV heads (tensor parallelism) of its stage's layers (pipeline).
+        st = self.parallel = get_parallel_state()
+        cfg = self.config
+        start, end = stage_layers(cfg.num_hidden_layers, st.pp_size, st.pp_rank)
+        kvh = cfg.num_key_value_heads
+        self.kv_config = dataclasses.replace(cfg, num_hidden_layers=end - start,
+                                             num_key_value_heads=kvh // st.tp_size if kvh >= st.tp_size else 1,
+                                             layer_windows=cfg.layer_windows[start:end])
+        self.num_micro_batches = args.pipeline_micro_batches or st.pp_size
+        self.timeline = TimelineRecorder()
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(args.seed)
         self.pool: KVCachePool | None = None
@@ -63,12 +87,16 @@ class Worker:
     def profile_forward(self, num_tokens: int) -> None:
         """Run one forward of `num_tokens` tokens so the peak activation memory is measured before the KV pool
         takes the rest of the device (vLLM's profile run). Only meaningful on CUDA."""
-        cfg = self.config
+        cfg = self.kv_config
         cache = ContiguousBackend(cfg.num_hidden_layers, num_tokens, cfg.num_key_value_heads, cfg.head_dim,
                                   self.dtype, self.device)
         with torch.inference_mode():
             ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-            self.model(ids, ForwardContext(cache, positions=torch.arange(num_tokens, device=self.device)))
+            # A later pipeline stage profiles on zeros in place of the hidden states it would receive.
+            inter = (None if self.parallel.is_first_stage else
+                     torch.zeros(2, num_tokens, cfg.hidden_size, dtype=self.dtype, device=self.device))
+            self.model(ids, ForwardContext(cache, positions=torch.arange(num_tokens, device=self.device)),
+                       **({} if inter is None else {"intermediate": inter}))
         del cache
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -79,7 +107,7 @@ class Worker:
         Raises:
             ValueError: attention_backend="cpu" where its kernel cannot run.
         """
-        self.pool = KVCachePool(self.config, num_blocks, self.block_size, self.dtype, self.device, num_cpu_blocks)
+        self.pool = KVCachePool(self.kv_config, num_blocks, self.block_size, self.dtype, self.device, num_cpu_blocks)
         self.backend = get_attn_backend(self.args.attention_backend, self.pool.layers)
         if self.args.attention_backend == "triton":
             from minfer.kernels.sampler import TritonSampler
@@ -167,6 +195,67 @@ class Worker:
         if not rows:
             return rows, None
         return rows, self.model.compute_logits(hidden[ctx.logits_indices]).float()
+
+    def set_num_micro_batches(self, m: int) -> None:
+        """Micro-batches per pipeline step from now on (the benchmark sweeps it on one running job)."""
+        self.num_micro_batches = int(m)
+
+    @torch.inference_mode()
+    def execute_parallel(self, batch: "ScheduledBatch", sample: bool = True):
+        """One step on this rank of a tensor- and/or pipeline-parallel job (every rank runs it on the same batch).
+
+        The batch's rows are cut into micro-batches (`num_micro_batches`, default one per stage; one without
+        pipeline parallelism), each run through this stage's layers as soon as its input is here: the first
+        stage embeds the ids, a later one receives `[2, T, hidden]` from the stage before, and all but the
+        last send theirs on without waiting, so stage s runs micro-batch i while stage s+1 runs i-1. Each
+        forward's start and end go to `timeline`. The last stage computes the logits of all micro-batches at
+        once, in the batch's row order, so sampling sees exactly what one process would.
+
+        Returns, on the output rank (TP rank 0 of the last stage): with `sample`, `(rows, tokens, chosen,
+        tops, prompt_logprobs)` as `execute_model` plus `{seq_id: prompt_logprobs}` of the rows that want
+        them (the driver's sequences are other objects); without, `(rows, logits, prompt_logprobs)`. None on
+        every other rank.
+        """
+        st = self.parallel
+        self.pool.swap_out(batch.swap_out)
+        self.pool.swap_in(batch.swap_in)
+        self.pool.copy_blocks(batch.copy)
+        n_mb = self.num_micro_batches if st.pp_size > 1 else 1
+        hidden_parts, rows, sends = [], [], []
+        step = self.timeline.next_step()
+        for i, (a, b) in enumerate(split_micro_batches(len(batch.seqs), n_mb)):
+            mb = MicroBatch(batch.seqs[a:b], batch.num_new_tokens[a:b])
+            ids, ctx, mb_rows = self.prepare_inputs(mb)
+            inter = None
+            if not st.is_first_stage:
+                inter = recv_from_prev_stage((2, ids.numel(), self.config.hidden_size), self.dtype)
+            t0 = time.perf_counter()
+            out = self.model(ids, ctx, inter)
+            self.timeline.record(step, st.pp_rank, st.tp_rank, i, t0, time.perf_counter(), ids.numel())
+            if not st.is_last_stage:
+                sends.append((send_to_next_stage(out), out))  # keep `out` alive until the send is done
+                continue
+            if any(s.prompt_logprobs is not None for s in mb.seqs):
+                self._prompt_logprobs(mb, out)
+            hidden_parts.append(out[ctx.logits_indices])
+            rows.extend(a + j for j in mb_rows)
+        for work, _ in sends:
+            work.wait()
+        if not st.is_last_stage:
+            return None
+        # Every TP rank of the last stage joins the head's all-gather; only the output rank samples.
+        logits = self.model.compute_logits(torch.cat(hidden_parts)).float() if rows else None
+        if st.tp_rank != 0:
+            return None
+        plp = {s.seq_id: s.prompt_logprobs for s in batch.seqs if s.prompt_logprobs is not None}
+        if not sample:
+            return rows, logits, plp
+        if not rows:
+            return rows, None, None, None, plp
+        if any(batch.seqs[j].spec_token_ids for j in rows):
+            return (rows, *self._verify(logits, [batch.seqs[j] for j in rows]), plp)
+        tokens, chosen, tops = self.sampler(logits, [batch.seqs[j] for j in rows])
+        return rows, tokens.tolist(), (None if chosen is None else chosen.tolist()), tops, plp
 
     def _prompt_logprobs(self, batch: "ScheduledBatch", hidden: torch.Tensor) -> None:
         """For each row that wants prompt logprobs, the logprob of prompt token p+1 given tokens 0..p, for the

@@ -83,8 +83,8 @@ def _metrics(url: str) -> dict[str, float]:
 # Start-up: flags whose feature is not built stop the server with exit status 2 (no model is loaded)
 # ----------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("flags, needle", [
-    (["--tensor-parallel-size", "2"], "tensor_parallel_size"),
-    (["--pipeline-parallel-size", "2"], "pipeline_parallel_size"),
+    (["--tensor-parallel-size", "0"], "tensor_parallel_size"),
+    (["--pipeline-parallel-size", "0"], "pipeline_parallel_size"),
     (["--quantization", "awq"], "quantization"),
     (["--kv-cache-dtype", "fp8"], "kv_cache_dtype"),
     (["--block-size", "3"], "block_size"),

@@ -1,4 +1,4 @@
-"""`python -m minfer.bench {decode,gemv,engine,serve,profile,spec,replicas} ...`: pick a benchmark.
+"""`python -m minfer.bench {decode,gemv,engine,serve,profile,spec,parallel,replicas} ...`: pick a benchmark.
 
 - decode: batch-1 decode tokens/s, minfer vs transformers `generate()`, and the memory-bandwidth ceiling.
 - gemv: batch-1 matrix-vector GB/s per weight layout (why `Linear` repacks its weights).
@@ -7,6 +7,7 @@
 - profile: where one request's time goes, phase by phase and the forward by op type.
 - spec: speculative decoding (n-gram, draft model) speed-up against acceptance, vs the formula.
 - replicas: data-parallel replicas behind the router: prefix-cache hit rate per routing policy, 1 vs 2 replicas.
+- parallel: the pipeline bubble against (p - 1)/(m + p - 1), and tensor parallelism's all-reduce cost.
 """
 
 import importlib
@@ -14,7 +15,7 @@ import sys
 
 _COMMANDS = {"decode": "minfer.bench.decode", "gemv": "minfer.bench.gemv", "engine": "minfer.bench.engine", "serve": "minfer.bench.serve",
              "profile": "minfer.bench.profile",
-             "spec": "minfer.bench.spec",
+             "spec": "minfer.bench.spec", "parallel": "minfer.bench.parallel",
              "replicas": "minfer.bench.replicas"}
 
 

@@ -21,24 +21,33 @@ from torch import nn
 
 from minfer.attention import Attention, ForwardContext
 from minfer.config import ModelConfig
-from minfer.model.layers import MLP, BuildOptions, Linear, MergedLinear, RMSNorm, TiedEmbedding
+from minfer.model.layers import BuildOptions, RMSNorm, silu_and_mul
 from minfer.model.positions import RotaryEmbedding
+from minfer.parallel.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
+                                    VocabParallelEmbedding)
+from minfer.parallel.parallel_state import get_parallel_state
+from minfer.parallel.pipeline import stage_layers
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, build: BuildOptions):
+    """Self-attention on this rank's heads (all of them with one rank; chapter 12's head split with more):
+    q|k|v column-parallel by heads, o_proj row-parallel, so the block ends in one all-reduce."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, build: BuildOptions, kv_layer_idx: int | None = None):
         super().__init__()
         h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, d
         method = build.linear_method
-        self.qkv_proj = MergedLinear(cfg.hidden_size, [h * d, kvh * d, kvh * d], bias=cfg.qkv_bias, method=method)
-        self.o_proj = Linear(h * d, cfg.hidden_size, bias=cfg.o_bias, method=method)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, h, kvh, bias=cfg.qkv_bias, method=method)
+        self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d
+        self.o_proj = RowParallelLinear(h * d, cfg.hidden_size, bias=cfg.o_bias, method=method)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, fused=build.fused_ops)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, fused=build.fused_ops)
         self.qk_norm = cfg.qk_norm
         window = cfg.layer_windows[layer_idx] if cfg.layer_windows else None
-        self.attn = Attention(layer_idx, h, kvh, d, scale=d ** -0.5, sliding_window=window)
+        # The KV pool of a pipeline stage holds only its layers: the cache index is the layer's place in the stage.
+        self.attn = Attention(layer_idx if kv_layer_idx is None else kv_layer_idx, self.num_heads, self.num_kv_heads,
+                              d, scale=d ** -0.5, sliding_window=window)
 
     def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, cos_sin, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
@@ -55,11 +64,31 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, build: BuildOptions):
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward, down(silu(gate(x)) * up(x)): gate|up column-parallel (one matmul for both),
+    down row-parallel, so the MLP ends in the block's second all-reduce."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool, build: BuildOptions):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx, build)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, build=build)
+        method = build.linear_method
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], bias=bias, method=method)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, method=method)
+        if build.fused_ops:
+            from minfer.kernels import silu_and_mul as fused_silu_and_mul
+
+            self.act = fused_silu_and_mul
+        else:
+            self.act = silu_and_mul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, build: BuildOptions, kv_layer_idx: int | None = None):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_idx, build, kv_layer_idx)
+        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, build)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused=build.fused_ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused=build.fused_ops)
 
@@ -75,21 +104,45 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+class PPMissingLayer(nn.Identity):
+    """The place of a layer another pipeline stage holds (vLLM's name): no parameters, never called."""
+
+
 class LlamaModel(nn.Module):
+    """The decoder stack, or this pipeline stage's part of it: layers `[start_layer, end_layer)` (all of them
+    with one stage), the embedding on the first stage, the final norm on the last (`stage_layers`)."""
+
     def __init__(self, cfg: ModelConfig, max_positions: int, build: BuildOptions):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, build) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused=build.fused_ops)
+        st = get_parallel_state()
+        self.start_layer, self.end_layer = stage_layers(cfg.num_hidden_layers, st.pp_size, st.pp_rank)
+        self.is_first, self.is_last = st.is_first_stage, st.is_last_stage
+        if self.is_first and not cfg.tie_word_embeddings:
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        # Global layer indices keep the checkpoint's names (model.layers.17...); the other stages' are placeholders.
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, build, kv_layer_idx=i - self.start_layer)
+            if self.start_layer <= i < self.end_layer else PPMissingLayer() for i in range(cfg.num_hidden_layers))
+        if self.is_last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused=build.fused_ops)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                           cfg.max_position_embeddings, max_positions, fused=build.fused_ops)
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
+    def forward(self, input_ids: torch.Tensor | None, ctx: ForwardContext,
+                intermediate: torch.Tensor | None = None) -> torch.Tensor:
+        """First stage: `input_ids [T]`; later stages: `intermediate [2, T, hidden]` (hidden state and residual
+        from the stage before). Returns the normed hidden states `[T, hidden]` on the last stage, else the
+        intermediate tensor `[2, T, hidden]` to send on."""
+        if self.is_first:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            x, residual = intermediate[0], intermediate[1]
         # cos/sin of this forward's positions: gathered once here, not once per layer.
         cos_sin = self.rotary_emb.cos_sin_for(ctx.positions)
-        for layer in self.layers:
+        for layer in self.layers[self.start_layer:self.end_layer]:
             x, residual = layer(x, residual, self.rotary_emb, cos_sin, ctx)
+        if not self.is_last:
+            return torch.stack((x, residual))
         x, _ = self.norm(x, residual)
         return x
 
@@ -113,13 +166,32 @@ class LlamaForCausalLM(nn.Module):
         build = build or BuildOptions()
         self.config = cfg
         self.model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings, build)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, method=build.linear_method)
-        if cfg.tie_word_embeddings:
+        st = get_parallel_state()
+        # The head lives on the last stage; with tied embeddings the first stage needs its table too.
+        if st.is_last_stage or (cfg.tie_word_embeddings and st.is_first_stage):
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, method=build.linear_method)
+        if cfg.tie_word_embeddings and st.is_first_stage:
             # One table for both: the checkpoint's embedding is loaded into the head (transposed).
-            self.model.embed_tokens = TiedEmbedding(self.lm_head)
+            self.model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tied_head=self.lm_head)
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self.model(input_ids, ctx)
+    def forward(self, input_ids: torch.Tensor | None, ctx: ForwardContext,
+                intermediate: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, ctx, intermediate)
+
+    def skip_checkpoint_tensor(self, name: str) -> bool:
+        """True for a checkpoint tensor another pipeline stage holds (a layer outside this stage's range, the
+        embedding, norm or head of another stage): the loader passes over it."""
+        m = self.model
+        if name.startswith("model.layers."):
+            i = int(name.split(".")[2])
+            return not m.start_layer <= i < m.end_layer
+        if name.startswith("lm_head.") or (name.startswith("model.embed_tokens.") and self.config.tie_word_embeddings):
+            return not hasattr(self, "lm_head")
+        if name.startswith("model.embed_tokens."):
+            return not m.is_first
+        if name.startswith("model.norm."):
+            return not m.is_last
+        return False
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -142,6 +142,7 @@ def load_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torc
         # A model whose checkpoint names/layouts are not Llama's (GPT-2's transposed Conv1D, BLOOM's per-head
         # interleaved QKV) renames and reshapes its tensors itself and handles its own tied head.
         named_tensors, tied = remap(named_tensors), False
+    skip = getattr(model, "skip_checkpoint_tensor", None)  # pipeline parallelism: the other stages' tensors
     loaded: set[str] = set()
 
     def copy(name: str, ckpt_name: str, tensor: torch.Tensor, shard) -> None:
@@ -170,6 +171,8 @@ def load_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torc
             continue  # tied checkpoints may repeat the table; the embedding's copy is the one we load
         if tied and name == "model.embed_tokens.weight":
             name = "lm_head.weight"
+        if skip is not None and skip(name):
+            continue  # another pipeline stage holds this tensor
         shard = None
         for ckpt, (ours, idx) in mapping.items():
             if f".{ckpt}." in name:
@@ -197,6 +200,16 @@ def load_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torc
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"{source}: checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
+
+
+def read_model_config(source: ModelSource) -> ModelConfig:
+    """The `ModelConfig` of a resolved model without reading its weights (the parallel executor checks the
+    split before any rank loads). Raises ValueError as `hf_config` / `gguf_config`."""
+    if source.kind == "gguf":
+        from minfer.model.gguf import gguf_config, open_gguf
+
+        return gguf_config(open_gguf(source.path), source.path)[0]
+    return hf_config(source.path)[0]
 
 
 def check_finite(tensor: torch.Tensor, what: str) -> None:

@@ -62,9 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
       help="require 'Authorization: Bearer KEY' on every route but /health, /metrics and the demo page / "
            "(default: none; env MINFER_API_KEY)")
     a("--tensor-parallel-size", "-tp", type=int, metavar="N", default=d["tensor_parallel_size"],
-      help=f"GPUs to shard each layer over (default: {d['tensor_parallel_size']}; >1 not built)")
+      help=f"ranks (GPUs, or CPU processes) to split each layer over by heads (default: {d['tensor_parallel_size']})")
     a("--pipeline-parallel-size", "-pp", type=int, metavar="N", default=d["pipeline_parallel_size"],
-      help=f"pipeline stages (default: {d['pipeline_parallel_size']}; >1 not built)")
+      help=f"pipeline stages the layers are cut into, one rank group each (default: {d['pipeline_parallel_size']})")
+    a("--distributed-executor-backend", choices=("mp", "torchrun"), default=d["distributed_executor_backend"],
+      help="who starts the ranks: mp (the server spawns them) or torchrun (run under torchrun; default: mp)")
     a("--data-parallel-size", "-dp", type=int, metavar="N", default=d["data_parallel_size"],
       help="replicas of the whole model, each an engine process, behind this server's router (chapter 12b; "
            f"default: {d['data_parallel_size']})")
@@ -212,7 +214,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         attention_backend="triton" if args.enable_flash_attn else args.attention_backend,
         enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size, data_parallel_size=args.data_parallel_size,
-        quantization=args.quantization,
+        distributed_executor_backend=args.distributed_executor_backend, quantization=args.quantization,
         quantization_config=args.quantization_config,
         kv_cache_dtype=kv_cache_dtype_from(args.kv_cache_dtype, args.dtype), device=args.device,
         speculative_config=getattr(args, "speculative_config", None),

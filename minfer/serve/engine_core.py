@@ -204,6 +204,8 @@ class EngineCore:
                 self.sent.clear()
                 self._send(["fatal", rids, f"engine error: {type(exc).__name__}: {exc}"])
                 self._send(["stats", self._stats()])
+                if getattr(exc, "fatal", False):  # a dead parallel worker: this process ends, /health turns 503
+                    raise
                 continue
             now = time.perf_counter()
             rows = encode_step(outputs, self.sent, now)

@@ -325,6 +325,9 @@ class EngineLoop:
                     self.metrics.count_step_error()
                 logger.error("engine step failed: %s\n%s", exc, traceback.format_exc())
                 self._fail_all(f"engine error: {type(exc).__name__}: {exc}")
+                if getattr(exc, "fatal", False):  # a dead parallel worker: the loop ends, /health turns 503
+                    self.exit_reason = f"engine error: {type(exc).__name__}: {exc}"
+                    break
                 time.sleep(0.01)
 
 
