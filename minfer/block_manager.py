@@ -212,6 +212,11 @@ class BlockManager:
         """Blocks `seq` holds (its table minus the entries released out of the window)."""
         return len(seq.block_table) - self.window_freed.get(seq.seq_id, 0)
 
+    def num_live_tokens(self, seq: Sequence) -> int:
+        """Token slots of `seq`'s live blocks that hold a token (what fragmentation counts as used)."""
+        dead = self.window_freed.get(seq.seq_id, 0)
+        return min(len(seq), len(seq.block_table) * self.block_size) - dead * self.block_size
+
     def free_seq(self, seq: Sequence) -> None:
         """Drop the sequence's claim on its blocks (named blocks stay cached until evicted)."""
         dead = self.window_freed.pop(seq.seq_id, 0)
