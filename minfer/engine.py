@@ -24,7 +24,8 @@ from minfer.config import EngineArgs, ModelConfig
 from minfer.detokenizer import OutputProcessor
 from minfer.executor import UniProcExecutor
 from minfer.kv_cache import bytes_per_block, determine_num_blocks
-from minfer.kv_cache_groups import hybrid_layout
+from minfer.attention.grouped import hybrid_layout
+from minfer.kv_cache_groups import hybrid_block_manager
 from minfer.memory import physical_memory_bytes
 from minfer.model.gguf import gguf_cache_path
 from minfer.model.sources import resolve_model
@@ -147,7 +148,7 @@ class LLMEngine:
         if layout is None:
             self.block_manager = BlockManager(num_blocks, args.block_size, num_cpu_blocks, args.enable_prefix_caching)
         else:
-            self.block_manager = layout.block_manager(num_blocks, args.block_size, num_cpu_blocks,
+            self.block_manager = hybrid_block_manager(layout, num_blocks, args.block_size, num_cpu_blocks,
                                                       args.enable_prefix_caching)
         mode = args.preemption_mode or ("swap" if num_cpu_blocks else "recompute")
         # KV behind the window is freed per sequence when EVERY layer has one (a full-attention layer reads it

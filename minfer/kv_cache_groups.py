@@ -28,110 +28,22 @@ fork (a clear error). Swapping and recompute preemption work: every group's tabl
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
-from dataclasses import dataclass
 
-import torch
-
-from minfer.attention.base import Attention, AttentionBackend, ForwardContext
+from minfer.attention.grouped import KVCacheLayout
 from minfer.block_manager import BlockManager, NoFreeBlocksError
-from minfer.config import ModelConfig
 from minfer.sequence import Sequence
 
 logger = logging.getLogger("minfer.kv_cache_groups")
 
 
-@dataclass(frozen=True)
-class KVCacheGroup:
-    """Layers that share one block table: their indices and their window (tokens; None = full attention)."""
-
-    layers: tuple[int, ...]
-    window: int | None
-
-
-@dataclass(frozen=True)
-class KVCacheLayout:
-    """The layer groups of a hybrid model. `groups[0]` is a full-attention group (its table is
-    `seq.block_table`, so everything that reads one table, the engine's statistics included, still sees the
-    sequence's whole length); `groups[g]`, g >= 1, uses `seq.group_block_tables[g - 1]`."""
-
-    groups: tuple[KVCacheGroup, ...]
-    group_size: int
-    num_layers: int
-
-    @property
-    def num_groups(self) -> int:
-        return len(self.groups)
-
-    @property
-    def layer_group(self) -> tuple[int, ...]:
-        """Group index of each layer."""
-        out = [0] * self.num_layers
-        for g, grp in enumerate(self.groups):
-            for layer in grp.layers:
-                out[layer] = g
-        return tuple(out)
-
-    @property
-    def layer_slot(self) -> tuple[int, ...]:
-        """Which pool tensor each layer uses: its position inside its group."""
-        out = [0] * self.num_layers
-        for grp in self.groups:
-            for j, layer in enumerate(grp.layers):
-                out[layer] = j
-        return tuple(out)
-
-    def pool_config(self, cfg: ModelConfig) -> ModelConfig:
-        """`cfg` with `group_size` layers: what `KVCachePool`, `bytes_per_block` and `determine_num_blocks`
-        size (one block = `group_size` layers' K/V)."""
-        return dataclasses.replace(cfg, num_hidden_layers=self.group_size, layer_windows=())
-
-    def layer_caches(self, pool_tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The per-layer view the attention backends index by `layer.layer_idx` (tensors shared by groups)."""
-        return [pool_tensors[j] for j in self.layer_slot]
-
-    def max_blocks_per_seq(self, num_tokens: int, block_size: int, max_num_batched_tokens: int) -> int:
-        """The most blocks one sequence of `num_tokens` tokens holds at once: every token in a full group; in
-        a local group the window plus one step's new tokens (written before the window moves past them),
-        plus a partly covered block at each end."""
-        full = -(-num_tokens // block_size)
-        total = 0
-        for grp in self.groups:
-            if grp.window is None:
-                total += full
-            else:
-                total += min(full, -(-(grp.window + max_num_batched_tokens) // block_size) + 1)
-        return total
-
-    def block_manager(self, num_blocks: int, block_size: int, num_cpu_blocks: int,
-                      enable_prefix_caching: bool) -> "HybridBlockManager":
-        if enable_prefix_caching:
-            logger.warning("prefix caching is off for this model: its layers mix sliding-window and full "
-                           "attention (a hybrid KV cache), and the local layers' prefix blocks are freed")
-        return HybridBlockManager(num_blocks, block_size, self, num_cpu_blocks)
-
-
-def hybrid_layout(cfg: ModelConfig) -> KVCacheLayout | None:
-    """The layer groups of a model whose layers mix windows (Gemma 3), or None when every layer has the same
-    kind: all full attention, or all windowed (then `BlockManager.free_out_of_window` frees per sequence).
-
-    Layers with the same window form groups of `group_size` = gcd of the per-window layer counts, in layer
-    order; the full-attention groups come first.
-    """
-    windows = tuple(cfg.layer_windows)
-    kinds = {w for w in windows}
-    if len(kinds) <= 1 or None not in kinds:
-        return None  # one kind, or only windows (possibly different ones: the largest frees per sequence)
-    by_window: dict = {}
-    for i, w in enumerate(windows):
-        by_window.setdefault(w, []).append(i)
-    size = math.gcd(*(len(v) for v in by_window.values()))
-    order = [None] + sorted(w for w in by_window if w is not None)
-    groups = tuple(KVCacheGroup(tuple(by_window[w][i:i + size]), w)
-                   for w in order for i in range(0, len(by_window[w]), size))
-    return KVCacheLayout(groups, size, len(windows))
+def hybrid_block_manager(layout: KVCacheLayout, num_blocks: int, block_size: int, num_cpu_blocks: int,
+                         enable_prefix_caching: bool) -> "HybridBlockManager":
+    """The block manager of a hybrid model; a request for the prefix cache is refused with a log line."""
+    if enable_prefix_caching:
+        logger.warning("prefix caching is off for this model: its layers mix sliding-window and full "
+                       "attention (a hybrid KV cache), and the local layers' prefix blocks are freed")
+    return HybridBlockManager(num_blocks, block_size, layout, num_cpu_blocks)
 
 
 class HybridBlockManager(BlockManager):
@@ -271,46 +183,3 @@ class HybridBlockManager(BlockManager):
         self.swapped_tables.pop(seq.seq_id, None)
         for cpu in self.swapped_groups.pop(seq.seq_id, []):
             self.cpu_free.extend(cpu)
-
-
-def stacked_block_tables(seqs: list[Sequence]) -> torch.Tensor:
-    """int32 `[num_groups, num_seqs, max_blocks]`: every group's block table of each sequence, padded with 0
-    (the worker's `block_tables` for a hybrid KV cache; `GroupedBackend.prepare` splits it)."""
-    max_blocks = max(len(s.block_table) for s in seqs)
-    num_groups = 1 + len(seqs[0].group_block_tables)
-    return torch.tensor([[t + [0] * (max_blocks - len(t))
-                          for t in (s.block_table if g == 0 else s.group_block_tables[g - 1] for s in seqs)]
-                         for g in range(num_groups)], dtype=torch.int32)
-
-
-class GroupedBackend(AttentionBackend):
-    """An attention backend over a hybrid KV cache: each layer is run by `inner` with its own group's block
-    table and slots.
-
-    The forward's context carries every group's `block_tables` int32 `[G, B, max_blocks]` and `slot_mapping`
-    int64 `[G, T]` (`stacked_block_tables`); `prepare` makes one `ForwardContext` per group (the inner
-    backend prepares each once per forward, as it would a plain one) and a layer picks its group's.
-    """
-
-    def __init__(self, inner: AttentionBackend, layout: KVCacheLayout):
-        super().__init__(inner.kv_caches)
-        self.inner, self.layout = inner, layout
-        self.name = inner.name
-        self._layer_group = layout.layer_group
-
-    def prepare(self, ctx: ForwardContext) -> list[ForwardContext]:
-        return [dataclasses.replace(ctx, attn_backend=self.inner, block_tables=ctx.block_tables[g],
-                                    slot_mapping=ctx.slot_mapping[g], attn_metadata=None)
-                for g in range(self.layout.num_groups)]
-
-    def _group_ctx(self, layer: Attention, ctx: ForwardContext) -> ForwardContext:
-        return ctx.attn_metadata[self._layer_group[layer.layer_idx]]
-
-    def store_kv(self, layer: Attention, k, v, ctx: ForwardContext) -> None:
-        self.inner.store_kv(layer, k, v, self._group_ctx(layer, ctx))
-
-    def attend(self, layer: Attention, q, k, v, ctx: ForwardContext) -> torch.Tensor:
-        return self.inner.attend(layer, q, k, v, self._group_ctx(layer, ctx))
-
-    def forward(self, layer: Attention, q, k, v, ctx: ForwardContext) -> torch.Tensor:
-        return self.inner.forward(layer, q, k, v, self._group_ctx(layer, ctx))

@@ -24,7 +24,7 @@ import torch
 from minfer.attention import ContiguousBackend, ForwardContext, get_attn_backend
 from minfer.config import EngineArgs
 from minfer.kv_cache import KVCachePool
-from minfer.kv_cache_groups import GroupedBackend, hybrid_layout, stacked_block_tables
+from minfer.attention.grouped import GroupedBackend, hybrid_layout, stacked_block_tables
 from minfer.model.loader import load_model
 from minfer.sampling import Sampler
 

@@ -1,4 +1,4 @@
-"""The hybrid KV cache (minfer/kv_cache_groups.py): one block table per layer group, local groups freed behind
+"""The hybrid KV cache (minfer/kv_cache_groups.py, minfer/attention/grouped.py): one block table per layer group, local groups freed behind
 their window, global groups keeping everything.
 
 (a) The layout of Gemma 3 270M's 18 layers (5 local + 1 global groups of 3) and of a small mix.
@@ -20,7 +20,8 @@ import torch
 from minfer import LLM, SamplingParams
 from minfer.attention.torch_ref import visibility_mask
 from minfer.config import ModelConfig
-from minfer.kv_cache_groups import HybridBlockManager, KVCacheGroup, KVCacheLayout, hybrid_layout
+from minfer.attention.grouped import KVCacheGroup, KVCacheLayout, hybrid_layout
+from minfer.kv_cache_groups import HybridBlockManager
 from minfer.sampling_params import SamplingParams as SP
 from minfer.sequence import Sequence
 from tests.test_models_gpt2_bloom import hf_greedy, make_model, prompt
