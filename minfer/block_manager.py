@@ -237,6 +237,9 @@ class BlockManager:
         return len(tail)
 
     # -- forking (beam search) ------------------------------------------------------------------------
+    def check_can_fork(self) -> None:
+        """Raises ValueError where `fork` is not built (the hybrid KV cache's manager); here it is."""
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give `child` the parent's blocks (beam search: a beam's continuations share its KV). Every block
         gains one reference; nothing is copied until a child writes into a shared block

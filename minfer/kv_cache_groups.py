@@ -138,10 +138,13 @@ class HybridBlockManager(BlockManager):
             del table[keep:]
         return n
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
+    def check_can_fork(self) -> None:
         """Raises ValueError: beam search's shared blocks are not built for a hybrid KV cache."""
         raise ValueError("beam search is not built for models whose layers mix sliding-window and full "
                          "attention (a hybrid KV cache, e.g. Gemma 3): use sampling or greedy decoding")
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        self.check_can_fork()
 
     # -- swapping ---------------------------------------------------------------------------------------
     # Every group's entries go out, released ones too (placeholders, never read), and come back as fresh

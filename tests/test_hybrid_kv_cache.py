@@ -192,3 +192,6 @@ def test_beam_search_is_a_clear_error(gemma):
               attention_backend="torch", device="cpu")
     with pytest.raises(ValueError, match="beam search is not built"):
         llm.beam_search([{"prompt_token_ids": prompt(3, 12)}], BeamSearchParams(beam_width=2, max_tokens=4))
+    assert llm.llm_engine.all_blocks_free()  # refused before any block was taken
+    out = llm.generate([prompt(3, 12)], SamplingParams(temperature=0, max_tokens=4))  # the engine still serves
+    assert len(out[0].outputs[0].token_ids) == 4 and llm.llm_engine.all_blocks_free()
