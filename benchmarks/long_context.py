@@ -8,10 +8,11 @@
    question. Run as shipped (5 of 6 layers local, every sixth global) and with every layer made local (the
    global layers given the same 512-token window): only the global layers can carry the fact across.
 3. KV blocks at 8k tokens for Gemma 3: the count a full-attention model needs against the count per layer
-   group when out-of-window blocks are freed (what `block_manager.free_out_of_window` does when every layer is
-   local; computed, see the chapter).
+   group when out-of-window blocks are freed, computed (`gemma3_kv_blocks`) and, with `--only-blocks`,
+   measured through the engine's hybrid KV cache (`gemma3_kv_blocks_measured`, ~15 min on 2 shared cores).
 
     python3 benchmarks/long_context.py    # writes assets/benchmarks/long_context.json (~2-4 min on 2 cores)
+    python3 benchmarks/long_context.py --only-blocks   # only the measured blocks at 8k; keeps the rest
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ def gemma_blocks_measured(tokens=8192, new_tokens=8, bs=16, chunk=1024):
         "live_per_group": at["live_per_group"],
         "bytes_in_use": at["blocks_in_use"] * per_block, "bytes_full_attention": at["table_entries"] * per_block,
         "ratio_full_over_hybrid": round(at["table_entries"] / at["blocks_in_use"], 2),
-        "peak_blocks_in_use": max(s["blocks_in_use"] for s in steps),
+        "peak_blocks_in_use_after_a_step": max(s["blocks_in_use"] for s in steps),
         "steps": steps, "seconds": round(time.perf_counter() - t0, 1),
         "text": "CPython's pydoc_data/topics.py (the Python reference's topics, PSF License), first "
                 f"{tokens} tokens; greedy, {new_tokens} new tokens",
