@@ -19,12 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
+from minfer.attention.grouped import hybrid_layout
 from minfer.block_manager import BlockManager
 from minfer.config import EngineArgs, ModelConfig
 from minfer.detokenizer import OutputProcessor
 from minfer.executor import UniProcExecutor
 from minfer.kv_cache import bytes_per_block, determine_num_blocks
-from minfer.attention.grouped import hybrid_layout
 from minfer.kv_cache_groups import hybrid_block_manager
 from minfer.memory import physical_memory_bytes
 from minfer.model.gguf import gguf_cache_path
@@ -153,9 +153,8 @@ class LLMEngine:
         mode = args.preemption_mode or ("swap" if num_cpu_blocks else "recompute")
         # KV behind the window is freed per sequence when EVERY layer has one (a full-attention layer reads it
         # all), and per layer group by the hybrid block manager (which applies each group's own window).
-        windows = cfg.layer_windows
-        window = (max(windows) if windows and all(w is not None for w in windows)
-                  else max((w for w in windows if w is not None), default=None) if layout is not None else None)
+        local = [w for w in cfg.layer_windows if w is not None]
+        window = max(local) if local and (layout is not None or len(local) == len(cfg.layer_windows)) else None
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, mnbt, args.enable_chunked_prefill, mode,
                                    sliding_window=window)
         self.spec_decoder = self._build_spec_decoder(args, num_blocks) if args.speculative_config else None
