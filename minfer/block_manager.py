@@ -212,6 +212,11 @@ class BlockManager:
         """Blocks `seq` holds (its table minus the entries released out of the window)."""
         return len(seq.block_table) - self.window_freed.get(seq.seq_id, 0)
 
+    def num_live_tokens(self, seq: Sequence) -> int:
+        """Token slots of `seq`'s live blocks that hold a token (what fragmentation counts as used)."""
+        dead = self.window_freed.get(seq.seq_id, 0)
+        return min(len(seq), len(seq.block_table) * self.block_size) - dead * self.block_size
+
     def free_seq(self, seq: Sequence) -> None:
         """Drop the sequence's claim on its blocks (named blocks stay cached until evicted)."""
         dead = self.window_freed.pop(seq.seq_id, 0)
@@ -232,6 +237,9 @@ class BlockManager:
         return len(tail)
 
     # -- forking (beam search) ------------------------------------------------------------------------
+    def check_can_fork(self) -> None:
+        """Raises ValueError where `fork` is not built (the hybrid KV cache's manager); here it is."""
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give `child` the parent's blocks (beam search: a beam's continuations share its KV). Every block
         gains one reference; nothing is copied until a child writes into a shared block

@@ -19,11 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
+from minfer.attention.grouped import hybrid_layout
 from minfer.block_manager import BlockManager
 from minfer.config import EngineArgs, ModelConfig
 from minfer.detokenizer import OutputProcessor
 from minfer.executor import make_executor
 from minfer.kv_cache import bytes_per_block, determine_num_blocks
+from minfer.kv_cache_groups import hybrid_block_manager
 from minfer.memory import physical_memory_bytes
 from minfer.model.gguf import gguf_cache_path
 from minfer.model.sources import resolve_model
@@ -128,20 +130,34 @@ class LLMEngine:
         self.max_num_batched_tokens = mnbt
         if self.device.type == "cuda":
             self.executor.profile_forward(min(mnbt, max_len))
-        num_blocks = determine_num_blocks(cfg, args.block_size, worker.dtype, self.device, args.kv_cache_memory_bytes,
-                                          args.gpu_memory_utilization, max_len)
-        per_block = bytes_per_block(cfg, args.block_size, worker.dtype)
+        # Layers mixing sliding-window and full attention (Gemma 3) get a hybrid KV cache, whose block holds
+        # one layer group's K/V, not every layer's (minfer/kv_cache_groups.py).
+        layout = hybrid_layout(cfg)
+        pool_cfg = cfg if layout is None else layout.pool_config(cfg)
+        num_blocks = determine_num_blocks(pool_cfg, args.block_size, worker.dtype, self.device,
+                                          args.kv_cache_memory_bytes, args.gpu_memory_utilization, max_len)
+        per_block = bytes_per_block(pool_cfg, args.block_size, worker.dtype)
+        if layout is not None and num_blocks < layout.max_blocks_per_seq(max_len, args.block_size, mnbt):
+            need = layout.max_blocks_per_seq(max_len, args.block_size, mnbt)
+            raise ValueError(f"the KV pool has room for {num_blocks} blocks, but one sequence of max_model_len="
+                             f"{max_len} tokens needs {need} across the {layout.num_groups} layer groups of this "
+                             "model's hybrid KV cache. Raise kv_cache_memory_bytes or lower max_model_len.")
         num_cpu_blocks = int(args.swap_space * (1 << 30)) // per_block
         ram = physical_memory_bytes()
         if args.swap_space * (1 << 30) > ram:
             raise ValueError(f"swap_space={args.swap_space} GiB is more than this machine's memory "
                              f"({ram / (1 << 30):.1f} GiB); lower swap_space")
         self.executor.init_kv_cache(num_blocks, num_cpu_blocks)
-        self.block_manager = BlockManager(num_blocks, args.block_size, num_cpu_blocks, args.enable_prefix_caching)
+        if layout is None:
+            self.block_manager = BlockManager(num_blocks, args.block_size, num_cpu_blocks, args.enable_prefix_caching)
+        else:
+            self.block_manager = hybrid_block_manager(layout, num_blocks, args.block_size, num_cpu_blocks,
+                                                      args.enable_prefix_caching)
         mode = args.preemption_mode or ("swap" if num_cpu_blocks else "recompute")
-        # KV behind the window is freed only when EVERY layer has one (a full-attention layer reads it all).
-        windows = cfg.layer_windows
-        window = max(windows) if windows and all(w is not None for w in windows) else None
+        # KV behind the window is freed per sequence when EVERY layer has one (a full-attention layer reads it
+        # all), and per layer group by the hybrid block manager (which applies each group's own window).
+        local = [w for w in cfg.layer_windows if w is not None]
+        window = max(local) if local and (layout is not None or len(local) == len(cfg.layer_windows)) else None
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, mnbt, args.enable_chunked_prefill, mode,
                                    sliding_window=window)
         self.spec_decoder = self._build_spec_decoder(args, num_blocks) if args.speculative_config else None
@@ -369,9 +385,8 @@ class LLMEngine:
         bm, sch = self.block_manager, self.scheduler
         held = [s for s in sch.running]
         # Table entries released behind a sliding window hold nothing: count neither their slots nor tokens.
-        dead = {s.seq_id: len(s.block_table) - bm.num_live_blocks(s) for s in held}
         alloc = sum(bm.num_live_blocks(s) for s in held) * bm.block_size
-        used = sum(min(len(s), len(s.block_table) * bm.block_size) - dead[s.seq_id] * bm.block_size for s in held)
+        used = sum(bm.num_live_tokens(s) for s in held)
         return EngineStats(
             num_running=len(sch.running), num_waiting=len(sch.waiting), num_swapped=len(sch.swapped),
             num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_total_blocks, kv_cache_usage=bm.usage(),

@@ -113,6 +113,7 @@ class Scheduler:
                  enable_chunked_prefill: bool, preemption_mode: str = "recompute", sliding_window: int | None = None):
         self.bm = block_manager
         # Every layer's window (the largest, when they differ) or None: blocks behind it are freed each step.
+        # With a hybrid KV cache (minfer/kv_cache_groups.py) the block manager frees per layer group instead.
         self.sliding_window = sliding_window
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

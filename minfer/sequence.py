@@ -32,6 +32,8 @@ class Sequence:
         prompt_token_ids / output_token_ids: lists of int.
         num_computed_tokens: tokens whose K/V are in the cache (the engine advances it).
         block_table: the KV blocks of this sequence, in order (engine only).
+        group_block_tables: with a hybrid KV cache (`minfer.kv_cache_groups`), the block tables of layer
+            groups 1.. (group 0's is `block_table`); empty otherwise.
         spec_token_ids: draft tokens the target verifies this step (speculative decoding; engine only).
         text: the detokenized output so far; num_held_chars: its tail that may start a stop string, not shown
             yet (both kept by `minfer.detokenizer.OutputProcessor`).
@@ -60,6 +62,7 @@ class Sequence:
             [None] if params.prompt_logprobs is not None else None)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        self.group_block_tables: list[list[int]] = []
         self.block_hashes: list[int] = []  # hash chain of the full, computed blocks (prefix caching)
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
         # Speculative decoding (minfer.spec_decode): this step's draft tokens, and the draft's q [k, V] (None

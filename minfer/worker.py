@@ -27,6 +27,7 @@ import torch
 from minfer.attention import ContiguousBackend, ForwardContext, get_attn_backend
 from minfer.config import EngineArgs
 from minfer.kv_cache import KVCachePool
+from minfer.attention.grouped import GroupedBackend, hybrid_layout, stacked_block_tables
 from minfer.model.loader import load_model
 from minfer.parallel.parallel_state import get_parallel_state
 from minfer.parallel.pipeline import recv_from_prev_stage, send_to_next_stage, split_micro_batches, stage_layers
@@ -82,6 +83,7 @@ class Worker:
         self.backend = None
         self.sampler: Sampler | None = None
         self.block_size = args.block_size
+        self.kv_layout = None  # the hybrid KV cache's layer groups, set by init_kv_cache
         self.build_time_s = 0.0
 
     def profile_forward(self, num_tokens: int) -> None:
@@ -107,8 +109,17 @@ class Worker:
         Raises:
             ValueError: attention_backend="cpu" where its kernel cannot run.
         """
-        self.pool = KVCachePool(self.kv_config, num_blocks, self.block_size, self.dtype, self.device, num_cpu_blocks)
-        self.backend = get_attn_backend(self.args.attention_backend, self.pool.layers)
+        # A model mixing sliding-window and full layers gets a hybrid KV cache: one block table per layer group
+        # over `group_size` shared tensors (minfer/kv_cache_groups.py); others one tensor per layer. `kv_config`
+        # is this rank's share of the layers and KV heads (tensor/pipeline parallelism, chapter 12).
+        self.kv_layout = layout = hybrid_layout(self.config)
+        pool_cfg = self.kv_config if layout is None else layout.pool_config(self.kv_config)
+        self.pool = KVCachePool(pool_cfg, num_blocks, self.block_size, self.dtype, self.device, num_cpu_blocks)
+        if layout is None:
+            self.backend = get_attn_backend(self.args.attention_backend, self.pool.layers)
+        else:
+            inner = get_attn_backend(self.args.attention_backend, layout.layer_caches(self.pool.layers))
+            self.backend = GroupedBackend(inner, layout)
         if self.args.attention_backend == "triton":
             from minfer.kernels.sampler import TritonSampler
 
@@ -138,10 +149,14 @@ class Worker:
         seq_idx = torch.repeat_interleave(torch.arange(len(seqs)), n_t)
         positions = starts[seq_idx] + torch.arange(int(cu_q[-1])) - cu_q[:-1][seq_idx]
         context_lens = starts + n_t
-        max_blocks = max(len(s.block_table) for s in seqs)
-        tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs],
-                              dtype=torch.int32)
-        slots = tables[seq_idx, positions // self.block_size].long() * self.block_size + positions % self.block_size
+        if self.kv_layout is None:
+            max_blocks = max(len(s.block_table) for s in seqs)
+            tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs],
+                                  dtype=torch.int32)
+        else:  # hybrid KV cache: [G, B, max_blocks], and slots [G, T] below (GroupedBackend splits them)
+            tables = stacked_block_tables(seqs)
+        slots = (tables[..., seq_idx, positions // self.block_size].long() * self.block_size
+                 + positions % self.block_size)
         num_prefills = sum(1 for n in counts if n > 1)
         n_pt = int(cu_q[num_prefills])
         spec = [len(s.spec_token_ids) for s in seqs]

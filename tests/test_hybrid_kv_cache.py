@@ -1,0 +1,197 @@
+"""The hybrid KV cache (minfer/kv_cache_groups.py, minfer/attention/grouped.py): one block table per layer group, local groups freed behind
+their window, global groups keeping everything.
+
+(a) The layout of Gemma 3 270M's 18 layers (5 local + 1 global groups of 3) and of a small mix.
+(b) The block manager against the attention mask: while a sequence grows token by token and chunk by chunk,
+    each local group holds exactly the blocks holding a key that the next query or a later one can see
+    (`torch_ref.visibility_mask`), the global group every block, for block sizes 1 and 16 and windows around
+    the block edges; admission counts every group; nothing leaks.
+(c) A random Gemma 3 model (two local layers with a window of 8, one global layer) through the engine: greedy
+    tokens on prompts longer than the window equal transformers' and the no-freeing path's, with chunked
+    prefill and with preemption (recompute and swap); the prefix cache is turned off with a log line; the
+    blocks in use grow with the global group only.
+"""
+
+import logging
+
+import pytest
+import torch
+
+from minfer import LLM, SamplingParams
+from minfer.attention.torch_ref import visibility_mask
+from minfer.config import ModelConfig
+from minfer.attention.grouped import KVCacheGroup, KVCacheLayout, hybrid_layout
+from minfer.kv_cache_groups import HybridBlockManager
+from minfer.sampling_params import SamplingParams as SP
+from minfer.sequence import Sequence
+from tests.test_models_gpt2_bloom import hf_greedy, make_model, prompt
+
+
+def _cfg(windows):
+    return ModelConfig("Gemma3ForCausalLM", 512, 64, 128, len(windows), 4, 1, 16, layer_windows=tuple(windows))
+
+
+def test_gemma3_layout_groups_of_three():
+    layout = hybrid_layout(_cfg([None if (i + 1) % 6 == 0 else 512 for i in range(18)]))
+    assert layout.group_size == 3 and layout.num_groups == 6
+    assert layout.groups[0] == KVCacheGroup((5, 11, 17), None)
+    assert [g.layers for g in layout.groups[1:]] == [(0, 1, 2), (3, 4, 6), (7, 8, 9), (10, 12, 13), (14, 15, 16)]
+    assert all(g.window == 512 for g in layout.groups[1:])
+    assert layout.layer_slot[17] == 2 and layout.layer_group[17] == 0 and layout.layer_group[6] == 2
+    assert layout.pool_config(_cfg([512] * 18)).num_hidden_layers == 3
+
+
+def test_no_layout_unless_local_and_global_mix():
+    assert hybrid_layout(_cfg([None, None])) is None
+    assert hybrid_layout(_cfg([7, 7])) is None  # all local: freed per sequence by BlockManager
+    assert hybrid_layout(_cfg([])) is None
+    small = hybrid_layout(_cfg([8, 8, None]))
+    assert small.group_size == 1 and [g.layers for g in small.groups] == [(2,), (0,), (1,)]
+
+
+def needed_blocks(q: int, window: int, num_blocks: int, bs: int) -> set[int]:
+    """Table indices holding a key visible to some query at position >= q (the mask decides, not a formula)."""
+    queries = torch.arange(q, q + window + 2 * bs)
+    keys = torch.arange(num_blocks * bs)
+    seen = visibility_mask(queries, keys, window).any(0)
+    return {int(k) // bs for k in keys[seen]}
+
+
+@pytest.mark.parametrize("bs", [1, 16])
+@pytest.mark.parametrize("window", [1, 7, 15, 16, 17, 32])
+@pytest.mark.parametrize("chunk", [1, 5])
+def test_local_groups_hold_exactly_the_readable_blocks(bs, window, chunk):
+    layout = KVCacheLayout((KVCacheGroup((2,), None), KVCacheGroup((0,), window), KVCacheGroup((1,), window)), 1, 3)
+    bm = HybridBlockManager(600, bs, layout)
+    seq = Sequence("r", 0, list(range(3, 3 + 90)), SP(max_tokens=1), 4096)
+    assert bm.can_allocate(seq, 90) == (3 * -(-90 // bs) <= 600)
+    bm.allocate_prefix(seq)
+    total = bm.num_free_blocks
+    while seq.num_computed_tokens < 90:
+        n = min(chunk, 90 - seq.num_computed_tokens)
+        before = bm.num_free_blocks
+        need = -(-(seq.num_computed_tokens + n) // bs) - len(seq.block_table)
+        bm.append_slots(seq, n)
+        assert before - bm.num_free_blocks == 3 * need  # every group grows by the same number of entries
+        seq.num_computed_tokens += n
+        bm.free_out_of_window(seq)
+        q, freed = seq.num_computed_tokens, bm._freed(seq)
+        assert freed[0] == 0 and seq.block_table.count(0) <= 1  # the global group keeps every block
+        want = needed_blocks(q, window, len(seq.block_table), bs)
+        for g, table in enumerate(seq.group_block_tables, start=1):
+            held = set(range(freed[g], len(table)))
+            assert held == want, (g, q, sorted(held ^ want))
+            for i in held:
+                assert bm.blocks[table[i]].ref_count == 1
+        assert bm.num_live_blocks(seq) == total - bm.num_free_blocks
+    bm.free_seq(seq)
+    assert bm.num_free_blocks == total and not bm.group_freed
+
+
+def test_swap_out_and_in_keeps_every_group():
+    layout = KVCacheLayout((KVCacheGroup((1,), None), KVCacheGroup((0,), 4)), 1, 2)
+    bm = HybridBlockManager(40, 2, layout, num_cpu_blocks=40)
+    seq = Sequence("r", 0, list(range(3, 23)), SP(max_tokens=1), 4096)
+    bm.allocate_prefix(seq)
+    bm.append_slots(seq, 20)
+    seq.num_computed_tokens = 20
+    bm.free_out_of_window(seq)
+    assert bm.num_live_blocks(seq) == 10 + 2  # window 4, next query at 20: tokens 17.. in blocks 8, 9
+    out = bm.swap_out(seq)
+    assert len(out) == 20 and bm.num_free_blocks == 40 and bm.can_swap_in(seq)
+    back = bm.swap_in(seq)
+    assert sorted(c for c, _ in back) == sorted(c for _, c in out)
+    assert len(seq.block_table) == len(seq.group_block_tables[0]) == 10
+    bm.free_out_of_window(seq)  # the placeholders that came back are released again
+    assert bm.num_live_blocks(seq) == 12
+    bm.free_seq(seq)
+    assert bm.num_free_blocks == 40 and len(bm.cpu_free) == 40
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gemma3-hybrid")
+    return path, make_model(path, "gemma3")  # layers 0, 1 local (window 8), layer 2 global
+
+
+PROMPTS = [prompt(60 + i, n) for i, n in enumerate((5, 13, 30, 41))]
+N_NEW = 10
+
+
+@pytest.fixture(scope="module")
+def reference(gemma):
+    _, hf = gemma
+    return [hf_greedy(hf, p, N_NEW) for p in PROMPTS]
+
+
+CONFIGS = {
+    "bs1": dict(block_size=1, kv_cache_memory_bytes=1 << 20),
+    "bs16": dict(block_size=16, kv_cache_memory_bytes=1 << 20),
+    "bs4-chunked": dict(block_size=4, enable_chunked_prefill=True, max_num_batched_tokens=8,
+                        kv_cache_memory_bytes=1 << 20),
+    # 3 groups x 1 layer x 2 x 4 tokens x 1 head x 16 x 4 bytes = 512 bytes a block: 24 blocks. With chunks of 8
+    # a 51-token sequence holds up to 13 (global) + 2 x 5 (local) = 23, and the four sequences' global tables
+    # alone reach 4 + 6 + 10 + 13 = 33: they cannot all run, something is preempted.
+    "recompute": dict(block_size=4, kv_cache_memory_bytes=24 * 512, max_model_len=51, enable_chunked_prefill=True,
+                      max_num_batched_tokens=8),
+    "swap": dict(block_size=4, kv_cache_memory_bytes=24 * 512, max_model_len=51, enable_chunked_prefill=True,
+                 max_num_batched_tokens=8, swap_space=0.001, preemption_mode="swap"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_engine_equals_transformers_and_no_freeing(gemma, reference, name, monkeypatch):
+    path, _ = gemma
+    kw = {"max_model_len": 96, **CONFIGS[name]}
+    params = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True)
+    llm = LLM(model=str(path), attention_backend="torch", device="cpu", **kw)
+    eng = llm.llm_engine
+    assert isinstance(eng.block_manager, HybridBlockManager)
+    outs = llm.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert eng.all_blocks_free() and not eng.block_manager.group_freed
+    if name in ("recompute", "swap"):
+        assert eng.scheduler.num_preemptions > 0
+    if name == "bs4-chunked":  # the same engine with freeing turned off gives the same tokens
+        monkeypatch.setattr(HybridBlockManager, "free_out_of_window", lambda self, seq, window=None: 0)
+        plain = LLM(model=str(path), attention_backend="torch", device="cpu", **kw)
+        assert [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)] == reference
+
+
+def test_prefix_caching_is_off_with_a_log_line(gemma, caplog):
+    path, _ = gemma
+    with caplog.at_level(logging.WARNING, logger="minfer.kv_cache_groups"):
+        llm = LLM(model=str(path), max_model_len=96, kv_cache_memory_bytes=1 << 20, block_size=4,
+                  enable_prefix_caching=True, attention_backend="torch", device="cpu")
+    assert "prefix caching is off" in caplog.text
+    assert not llm.llm_engine.block_manager.enable_prefix_caching
+
+
+@pytest.mark.parametrize("bs", [1, 16])
+def test_blocks_in_use_grow_with_the_global_group_only(gemma, bs):
+    path, _ = gemma
+    llm = LLM(model=str(path), max_model_len=96, attention_backend="torch", device="cpu",
+              kv_cache_memory_bytes=1 << 20, block_size=bs)
+    eng = llm.llm_engine
+    eng.add_request("a", prompt(7, 20), SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    used = []
+    while eng.has_unfinished_requests():
+        eng.step()
+        used.append(eng.block_manager.num_total_blocks - eng.block_manager.num_free_blocks)
+        assert 0 <= eng.stats().fragmentation < 1
+    full = -(-79 // bs)  # the global group's blocks after the last step's forward
+    local = -(-8 // bs) + 1  # window 8: at most this many blocks per local group
+    assert full < max(used[:-1]) <= full + 2 * local < 3 * full
+
+
+def test_beam_search_is_a_clear_error(gemma):
+    from minfer import BeamSearchParams
+
+    path, _ = gemma
+    llm = LLM(model=str(path), max_model_len=96, kv_cache_memory_bytes=1 << 20, block_size=4,
+              attention_backend="torch", device="cpu")
+    with pytest.raises(ValueError, match="beam search is not built"):
+        llm.beam_search([{"prompt_token_ids": prompt(3, 12)}], BeamSearchParams(beam_width=2, max_tokens=4))
+    assert llm.llm_engine.all_blocks_free()  # refused before any block was taken
+    out = llm.generate([prompt(3, 12)], SamplingParams(temperature=0, max_tokens=4))  # the engine still serves
+    assert len(out[0].outputs[0].token_ids) == 4 and llm.llm_engine.all_blocks_free()
