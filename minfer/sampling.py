@@ -116,6 +116,23 @@ def apply_logits_processors(logits: torch.Tensor, seqs: list[Sequence]) -> torch
     return logits
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Structured output's mask (`minfer.structured_output`): tokens whose bit is 0 get -inf, all rows at once.
+
+    Args:
+        logits: float32 `[B, V]`. bitmask: int32 `[B, ceil(V/32)]` (bit j of word w is token 32 w + j; an
+            all-ones row, -1, allows everything), on any device.
+    Returns: new float32 `[B, V]` logits; `logits` itself is not changed.
+    """
+    b, vocab = logits.shape
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    # [B, W, 1] >> [32] -> [B, W, 32]: one shift per bit, no loop over the vocabulary.
+    allowed = ((bitmask.to(logits.device).unsqueeze(-1) >> bits) & 1).bool().reshape(b, -1)
+    if allowed.shape[1] < vocab:  # logits wider than the tokenizer's mask: the extra ids are never allowed
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    return logits.masked_fill(~allowed[:, :vocab], float("-inf"))
+
+
 def request_generator(params: SamplingParams, index: int, device) -> torch.Generator | None:
     """A private random stream for a seeded request; completion `index` of `n` gets its own stream."""
     if params.seed is None or params.greedy:
@@ -153,13 +170,17 @@ class Sampler:
         for i in seq_ids:
             self._seeded.pop(i, None)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]):
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], bitmask: torch.Tensor | None = None):
+        """`bitmask`: structured output's int32 `[B, ceil(V/32)]` token mask (None: no row is guided),
+        applied after the logits processors and before temperature, top-k and top-p."""
         b = logits.shape[0]
         params = [s.params for s in seqs]
         greedy = [p.greedy for p in params]
         raw = logits
         if any(p.needs_logits_processing for p in params):
             logits = apply_logits_processors(logits, seqs)
+        if bitmask is not None:
+            logits = apply_token_bitmask(logits, bitmask)
         if all(greedy):
             tokens = logits.argmax(dim=-1)
         else:
