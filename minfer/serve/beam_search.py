@@ -70,6 +70,13 @@ def beam_search_params(body: dict) -> tuple[BeamSearchParams, int, int | None]:
         if value is not None and not any(value == u and type(value) is type(u) for u in unused):
             raise APIError(400, f"{name}={echo(value)} is not supported with use_beam_search (beam search keeps "
                                 "the most likely beams; it does not sample)", param=name)
+    for name in ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                 "structured_outputs"):
+        value = body.get(name)
+        if value is not None and not (name == "response_format" and isinstance(value, dict)
+                                      and value.get("type") == "text"):
+            raise APIError(400, f"{name} (structured output) is not supported with use_beam_search: a grammar "
+                                "masks one sequence's tokens, and beams are scored without it", param=name)
     n = _int_field(body, "n", 1)
     width = _int_field(body, "best_of", n)
     if width < n:

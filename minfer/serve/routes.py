@@ -157,16 +157,39 @@ async def chat_completions(request: Request):
     serving, body, model, params = await _parse(request, chat=True)
     check_fan_out(1, params.n, serving.limits)
     check_message_chars(body.get("messages"), serving.limits, serving.max_model_len)
-    messages = normalize_messages(body.get("messages"))
+    tools, params = _chat_tools(body, params)
+    messages = body.get("messages") if tools is not None else normalize_messages(body.get("messages"))
     try:
         # Token ids, not text: the template already holds any BOS, and the engine would add another when
         # it tokenized a string. Rendering and tokenizing run off the event loop and the engine thread.
-        prompt = await run_in_threadpool(serving.engine.tokenizer.encode_chat, messages)
+        if tools is not None:
+            from minfer.serve.tools import render_prompt
+
+            prompt = await run_in_threadpool(render_prompt, serving.engine.tokenizer, messages, tools)
+        else:
+            prompt = await run_in_threadpool(serving.engine.tokenizer.encode_chat, messages)
     except (ValueError, TypeError, KeyError) as exc:
         raise APIError(400, f"messages could not be rendered with the chat template: {exc}",
                        param="messages") from None
     return await serving.generate(request, body, [prompt], params, chat=True, model=model, id_prefix="chatcmpl",
-                                  default_max_tokens=None)
+                                  default_max_tokens=None, tools=tools)
+
+
+def _chat_tools(body: dict, params: SamplingParams):
+    """(the request's `serve.tools.ToolRequest` or None, `params` with the call's grammar for a "required" or
+    named tool_choice). APIError(400) for bad tools, or a forced call together with a response_format."""
+    from minfer.serve.tools import guided, parse_tools
+
+    tools = parse_tools(body)
+    if tools is None:
+        return None, params
+    g = guided(tools)
+    if g is not None:
+        if params.guided_decoding is not None:
+            raise APIError(400, "tool_choice \"required\" or a named function already constrains the output; "
+                                "leave out response_format / guided_*", param="tool_choice")
+        params = params.clone(guided_decoding=g)
+    return tools, params
 
 
 @_get("/v1/stats")

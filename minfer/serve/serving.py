@@ -59,12 +59,13 @@ class OpenAIServing:
 
     async def generate(self, request: Request, body: dict, prompts: list[list[int]], params: SamplingParams, *,
                        chat: bool, model: str, id_prefix: str, default_max_tokens: int | None,
-                       echo_prompts: list[str] | None = None, score_only: bool = False):
+                       echo_prompts: list[str] | None = None, score_only: bool = False, tools=None):
         """Run `prompts` (token ids); answer a dict (JSON), an SSE stream, or 499 if the client left.
 
         `default_max_tokens` is the endpoint's default for an omitted max_tokens (None: up to max_model_len);
         each prompt gets it capped to what is left after it (`protocol.fit_max_tokens`). `echo_prompts` and
-        `score_only`: completions' echo (`protocol.completion_response`).
+        `score_only`: completions' echo (`protocol.completion_response`). `tools`: chat's `serve.tools.ToolRequest`
+        (its calls are parsed out of the text into `tool_calls`).
         """
         req_id = f"{id_prefix}-{uuid.uuid4().hex}"
         arrival = time.perf_counter()
@@ -77,14 +78,25 @@ class OpenAIServing:
         k = params.logprobs or 0
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            chunks = StreamChunks(req_id, created, model, group.index, params.n, k, self.tok_text, chat=chat)
+            if tools is not None:
+                from minfer.serve.tools import ToolStreamChunks
+
+                chunks = ToolStreamChunks(req_id, created, model, group.index, params.n, k, self.tok_text, chat=chat,
+                                          tool_request=tools)
+            else:
+                chunks = StreamChunks(req_id, created, model, group.index, params.n, k, self.tok_text, chat=chat)
             return _SSEResponse(_stream(group, chunks, include_usage, req_id), media_type="text/event-stream",
                                 headers=_SSE_HEADERS)
         final = await _collect_unless_disconnected(request, group, req_id)
         if final is None:  # answered with nginx's "client closed request", for the access log: nobody reads it
             return Response(status_code=499)
-        return completion_response(req_id, created, model, [final[rid] for rid in group.rids], params.n, k,
+        resp = completion_response(req_id, created, model, [final[rid] for rid in group.rids], params.n, k,
                                    self.tok_text, chat=chat, echo_prompts=echo_prompts, score_only=score_only)
+        if tools is not None:
+            from minfer.serve.tools import rewrite_response
+
+            resp = rewrite_response(resp, tools)
+        return resp
 
 
 async def _collect(group: RequestGroup) -> dict[str, RequestSnapshot]:
