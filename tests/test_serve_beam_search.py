@@ -8,7 +8,10 @@ A tiny random Llama with a word-level tokenizer (as in tests/test_spec_decode.py
   answer, and no KV block leaks; on a stub engine, `EngineLoop.run_when_idle` runs a job only when idle,
   holds requests added meanwhile until it ran, drops a cancelled job and survives a failing one;
 - bad values, `stream: true`, sampling-only fields and beams too big for the KV pool are 400s with OpenAI's
-  error body naming the field.
+  error body naming the field;
+- through the real server with its engine in its own process (`python -m minfer.serve`, the default): the
+  beams equal `LLM.beam_search`'s, a beam search sent while streams run waits for them and all answer, a
+  failing search (beams too big for the pool) is a 400 and the server goes on, and no block leaks.
 
     PYTHONPATH=$PWD python -m pytest -q tests/test_serve_beam_search.py
 """
@@ -206,3 +209,52 @@ def test_engine_loop_runs_a_job_only_when_idle_holds_new_requests_and_drops_canc
     finally:
         loop.stop()
     assert ran == ["j1"] and engine.added == ["r1"]
+
+
+# -- the engine in its own process (the server's default) ------------------------------------------------------
+@pytest.fixture(scope="module")
+def process_server(model):
+    from .serving import running_server
+
+    with running_server(["--model", model, "--served-model-name", "tiny", "--max-model-len", "128", "--seed", "0",
+                         "--attention-backend", "torch", "--kv-cache-memory-bytes", str(KV_BYTES),
+                         "--disable-log-requests", "--uvicorn-log-level", "warning"]) as url:
+        yield url
+
+
+def test_engine_process_beams_equal_llm_beam_search(process_server, reference_llm):
+    import httpx
+
+    url = process_server
+    fields = dict(n=2, best_of=3, max_tokens=8, length_penalty=0.5)
+    results = {}
+
+    def sampled(i):
+        results[i] = httpx.post(url + "/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": "w3 w4", "max_tokens": 40, "ignore_eos": True, "temperature": 1.0, "seed": i})
+
+    threads = [threading.Thread(target=sampled, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    r = httpx.post(url + "/v1/completions", timeout=120,
+                   json={"model": "tiny", "prompt": PROMPTS, "use_beam_search": True, **fields})
+    for t in threads:
+        t.join()
+    assert r.status_code == 200, r.text
+    want = reference_llm.beam_search(PROMPTS, BeamSearchParams(beam_width=3, max_tokens=8, length_penalty=0.5))
+    expected = [(i * 2 + j, s.text, s.finish_reason) for i, out in enumerate(want) for j, s in
+                enumerate(out.sequences[:2])]
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in r.json()["choices"]] == expected
+    assert all(results[i].status_code == 200 for i in range(3))
+    too_big = httpx.post(url + "/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": PROMPTS[0], "use_beam_search": True, "n": 64, "max_tokens": 100})
+    assert too_big.status_code == 400, too_big.text
+    assert httpx.post(url + "/v1/completions", timeout=60, json={"model": "tiny", "prompt": "w3",
+                                                                 "max_tokens": 3}).status_code == 200
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        s = httpx.get(url + "/v1/stats", timeout=10).json()["stats"]
+        if s["num_free_blocks"] == s["num_total_blocks"]:
+            break
+        time.sleep(0.2)
+    assert s["num_free_blocks"] == s["num_total_blocks"] and s["num_running"] == 0

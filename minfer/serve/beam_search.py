@@ -8,14 +8,16 @@ A sampling-only field set to anything but its default (`top_p`, `stop`, `logprob
 are refused with a 400 naming them, rather than ignored.
 
 `LLM.beam_search` steps the executor itself, outside the scheduler, so it needs an idle engine: the search
-is a job the engine loop runs between two steps once no request is unfinished (`EngineLoop.run_when_idle`);
-requests that arrive meanwhile wait behind it. Nothing else of the serving path knows about beam search.
+is a job the engine runs between two steps once no request is unfinished (`EngineLoop.run_when_idle` in
+process; with the engine in its own process, `MPEngineClient.run_when_idle` sends the job there and
+`EngineCore` runs it); requests that arrive meanwhile wait behind it. Nothing else of the serving path knows about beam search.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import re
 import time
 import uuid
@@ -114,7 +116,7 @@ def _per_prompt(engine, prompts: list[list[int]], params: BeamSearchParams, max_
     """Each prompt's params, an omitted max_tokens filled in as `protocol.fit_max_tokens` does; APIError(400)
     for a prompt the engine would refuse (checked here, before queueing: the answer needs no engine)."""
     out = []
-    max_model_len, vocab = engine.max_model_len, engine.model_config.vocab_size
+    max_model_len, vocab = engine.model_config.max_model_len, engine.model_config.vocab_size
     for ids in prompts:
         room = max_model_len - len(ids)
         p = params if max_tokens is not None else dataclasses.replace(
@@ -143,6 +145,12 @@ async def _wait(request: Request, q: asyncio.Queue):
     return get.result() if get in done else None
 
 
+def beam_search_job(engine, prompts: list[list[int]], per_prompt: list[BeamSearchParams]) -> list:
+    """The search on an idle `engine`: one `BeamSearchOutput` per prompt (run where the engine lives)."""
+    decode = engine.tokenizer.decode
+    return [run_beam_search(engine, [ids], p, decode)[0] for ids, p in zip(prompts, per_prompt)]
+
+
 async def serve_beam_search(serving, request: Request, body: dict, prompts: list[list[int]], model: str,
                             default_max_tokens: int) -> dict | Response:
     """Answer a `use_beam_search` completion for token-id `prompts`: OpenAI's `text_completion` object.
@@ -153,17 +161,10 @@ async def serve_beam_search(serving, request: Request, body: dict, prompts: list
         APIError(500): the search failed.
     """
     params, n, max_tokens = beam_search_params(body)
-    if not hasattr(serving.engine_loop, "run_when_idle"):
-        # The search steps the executor itself, between the engine's steps; the engine-core process has no
-        # such job yet (chapter 9, §9.2.1). Say so instead of failing inside the request.
-        raise APIError(400, "use_beam_search runs only with the in-process engine in this version: start the "
-                       "server with --no-engine-process", param="use_beam_search")
     per_prompt = _per_prompt(serving.engine, prompts, params, max_tokens, default_max_tokens)
-    decode = serving.engine.tokenizer.decode
-
-    def job(engine):
-        return [run_beam_search(engine, [ids], p, decode)[0] for ids, p in zip(prompts, per_prompt)]
-
+    # A module-level function and plain data: the in-process loop calls it, and the engine-core process
+    # receives it pickled (`MPEngineClient.run_when_idle`) and calls it on its own engine.
+    job = functools.partial(beam_search_job, prompts=prompts, per_prompt=per_prompt)
     req_id = f"cmpl-{uuid.uuid4().hex}"
     q: asyncio.Queue = asyncio.Queue()
     serving.engine_loop.run_when_idle(req_id, job, q)
