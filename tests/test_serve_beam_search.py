@@ -7,8 +7,10 @@ A tiny random Llama with a word-level tokenizer (as in tests/test_spec_decode.py
 - a beam search sent while a sampled request runs waits for it (the engine loop runs it when idle), both
   answer, and no KV block leaks; on a stub engine, `EngineLoop.run_when_idle` runs a job only when idle,
   holds requests added meanwhile until it ran, drops a cancelled job and survives a failing one;
-- bad values, `stream: true`, sampling-only fields and beams too big for the KV pool are 400s with OpenAI's
-  error body naming the field;
+- streamed (`stream: true`), the same beams come one chunk each, then [DONE]; chat's `use_beam_search`
+  answers the beams of the rendered conversation as assistant messages, streamed or not;
+- bad values, sampling-only fields and beams too big for the KV pool are 400s with OpenAI's error body
+  naming the field;
 - through the real server with its engine in its own process (`python -m minfer.serve`, the default): the
   beams equal `LLM.beam_search`'s, a beam search sent while streams run waits for them and all answer, a
   failing search (beams too big for the pool) is a 400 and the server goes on, and no block leaks.
@@ -18,6 +20,7 @@ A tiny random Llama with a word-level tokenizer (as in tests/test_spec_decode.py
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -115,7 +118,7 @@ def test_beam_search_waits_for_running_requests(served, reference_llm):
 
 
 @pytest.mark.parametrize("fields, param", [
-    (dict(stream=True), "stream"),
+    (dict(stream="yes"), "stream"),
     (dict(n=3, best_of=2), "best_of"),
     (dict(n=0), "n"),
     (dict(n=1000), "n"),
@@ -142,11 +145,49 @@ def test_bad_values_are_400_with_openai_error_body(served, fields, param):
     assert engine.all_blocks_free() and not engine.has_unfinished_requests()
 
 
-def test_chat_refuses_beam_search(served):
+def test_streamed_beams_equal_the_answer(served):
     client, _ = served
-    r = client.post("/v1/chat/completions", json={"model": "tiny", "use_beam_search": True,
-                                                  "messages": [{"role": "user", "content": "w3"}]})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search"
+    fields = dict(prompt=PROMPTS, n=2, best_of=3, max_tokens=8)
+    whole = _post(client, **fields).json()["choices"]
+    r = _post(client, stream=True, **fields)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    got = [(c["index"], c["text"], c["finish_reason"]) for e in events for c in e["choices"]]
+    assert got == [(c["index"], c["text"], c["finish_reason"]) for c in whole]
+    assert r.text.rstrip().endswith("data: [DONE]")
+
+
+def test_chat_beam_search(chat_served, model):
+    client, engine = chat_served
+    msgs = [{"role": "user", "content": "w3 w9 w12"}]
+    r = client.post("/v1/chat/completions", json={"model": "tiny", "use_beam_search": True, "n": 2,
+                                                  "max_completion_tokens": 6, "messages": msgs})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    ids = engine.tokenizer.encode_chat(msgs)
+    want = LLM(model=model, **ENGINE).beam_search([ids], BeamSearchParams(beam_width=2, max_tokens=6))[0]
+    assert got["object"] == "chat.completion"
+    assert [(c["message"]["role"], c["message"]["content"]) for c in got["choices"]] == [
+        ("assistant", s.text) for s in want.sequences[:2]]
+    r = client.post("/v1/chat/completions", json={"model": "tiny", "use_beam_search": True, "n": 2, "stream": True,
+                                                  "max_tokens": 6, "messages": msgs})
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert [c["delta"]["content"] for e in events[1:] for c in e["choices"]] == [s.text for s in want.sequences[:2]]
+    assert engine.all_blocks_free()
+
+
+@pytest.fixture(scope="module")
+def chat_served(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    path = _save_tiny(tmp_path_factory.mktemp("beamchat") / "m", 0)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}w1"
+    tok.save_pretrained(str(path))
+    llm = LLM(model=str(path), **ENGINE)
+    with TestClient(build_app(llm.llm_engine, served_model_names=["tiny"], log_requests=False)) as c:
+        yield c, llm.llm_engine
 
 
 class _BusyEngine:
