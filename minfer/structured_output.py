@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import torch
 
@@ -143,8 +144,6 @@ class StructuredOutputManager:
         guided = [(j, self.matchers[s.seq_id]) for j, s in enumerate(seqs) if s.seq_id in self.matchers]
         if not guided:
             return None
-        import time
-
         t0 = time.perf_counter()
         mask = torch.full((len(seqs), bitmask_width(self.vocab_size)), -1, dtype=torch.int32)
         row_bytes = mask.shape[1] * 4
