@@ -263,6 +263,7 @@ def process_server(model):
         yield url
 
 
+@pytest.mark.slow
 def test_engine_process_beams_equal_llm_beam_search(process_server, reference_llm):
     import httpx
 

@@ -221,6 +221,7 @@ def server():
         yield url
 
 
+@pytest.mark.slow
 def test_openai_client(server):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=server + "/v1", api_key="unused")
@@ -240,6 +241,7 @@ def test_openai_client(server):
                                                         "json_schema": {"name": "x", "schema": {"type": "foo"}}})
 
 
+@pytest.mark.slow
 def test_langchain_structured_output_and_bind_tools(server):
     pytest.importorskip("langchain_openai")
     from langchain_core.tools import tool
