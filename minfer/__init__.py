@@ -39,7 +39,7 @@ if "TRITON_INTERPRET" not in os.environ:
         os.environ["TRITON_INTERPRET"] = "1"
 
 from minfer.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
-from minfer.sampling_params import BeamSearchParams, SamplingParams
+from minfer.sampling_params import BeamSearchParams, GuidedDecodingParams, SamplingParams
 
 __version__ = "0.1.0"
 
@@ -57,5 +57,5 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput",
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "GuidedDecodingParams", "RequestOutput", "CompletionOutput",
            "BeamSearchOutput", "BeamSearchSequence"]

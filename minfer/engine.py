@@ -162,6 +162,7 @@ class LLMEngine:
                                    sliding_window=window)
         self.spec_decoder = self._build_spec_decoder(args, num_blocks) if args.speculative_config else None
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.structured_output = None  # a StructuredOutputManager, made by the first guided request
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._prompt_tokens = self._gen_tokens = self._steps = 0
@@ -255,10 +256,21 @@ class LLMEngine:
         params = params.clone(_eos_token_ids=tuple(self.tokenizer.eos_token_ids))
         metrics = RequestMetrics(arrival_time=arrival_time or time.perf_counter())
         seqs = [Sequence(request_id, i, ids, params, self.max_model_len) for i in range(params.n)]
+        if params.guided_decoding is not None:  # compiled now: a bad grammar raises before anything is queued
+            self._structured().add([s.seq_id for s in seqs], params.guided_decoding)
         self.requests[request_id] = _Request(request_id, text, ids, seqs, metrics)
         for s in seqs:
             self.scheduler.add(s)
         return request_id
+
+    def _structured(self):
+        """The structured-output manager (built on first use: llguidance reads the tokenizer once, ~0.5 s)."""
+        if self.structured_output is None:
+            from minfer.structured_output import StructuredOutputManager
+
+            self.structured_output = StructuredOutputManager(self.tokenizer.hf, self.model_config.vocab_size,
+                                                             tuple(self.tokenizer.eos_token_ids))
+        return self.structured_output
 
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt: a string, a list of token ids, or vLLM's dict forms
@@ -299,6 +311,8 @@ class LLMEngine:
         for s in seqs:
             self.output_processor.free(s)
         self.executor.release([s.seq_id for s in seqs])
+        if self.structured_output is not None:
+            self.structured_output.release([s.seq_id for s in seqs])
         if self.spec_decoder is not None:
             self.spec_decoder.release([s.seq_id for s in seqs])
 
@@ -321,6 +335,9 @@ class LLMEngine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress with requests pending (pool too small?)")
             return []
+        so = self.structured_output
+        if so is not None and so.matchers:
+            batch.grammar_bitmask = so.bitmask(batch.seqs)
         t1 = time.perf_counter()
         rows, tokens, chosen, tops = self.executor.execute_model(batch)
         self.last_step_num_tokens = int(sum(batch.num_new_tokens))  # vLLM's iteration_tokens_total (server metric)
@@ -346,6 +363,8 @@ class LLMEngine:
                 seq.append_token(tokens[k], chosen[k] if chosen else 0.0, tops[k] if tops else None)
                 self.output_processor.process(seq)
                 self._gen_tokens += 1
+                if so is not None and so.accept(seq, tokens[k]) and not seq.is_finished:
+                    seq.finish_reason = "stop"  # the grammar is complete: nothing more may follow
             req = self.requests[seq.request_id]
             if seq.index == 0:
                 m = req.metrics

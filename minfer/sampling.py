@@ -116,6 +116,27 @@ def apply_logits_processors(logits: torch.Tensor, seqs: list[Sequence]) -> torch
     return logits
 
 
+_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Structured output's mask (`minfer.structured_output`): tokens whose bit is 0 get -inf, all rows at once.
+
+    Args:
+        logits: float32 `[B, V]`. bitmask: int32 `[B, ceil(V/32)]` (bit j of word w is token 32 w + j; an
+            all-ones row, -1, allows everything), on any device.
+    Returns: new float32 `[B, V]` logits; `logits` itself is not changed.
+    """
+    b, vocab = logits.shape
+    # The int32 words as their little-endian bytes [B, 4W], each byte shifted by 0..7: [B, 4W, 8] of 0/1, one
+    # byte per token (a quarter of the memory int32 bits would take), read as bools. No loop over the vocabulary.
+    words = bitmask.to(logits.device).contiguous().view(torch.uint8)
+    allowed = ((words.unsqueeze(-1) >> _BIT_SHIFTS.to(logits.device)) & 1).view(torch.bool).reshape(b, -1)
+    if allowed.shape[1] < vocab:  # logits wider than the tokenizer's mask: the extra ids are never allowed
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    return torch.where(allowed[:, :vocab], logits, torch.tensor(float("-inf"), device=logits.device))
+
+
 def request_generator(params: SamplingParams, index: int, device) -> torch.Generator | None:
     """A private random stream for a seeded request; completion `index` of `n` gets its own stream."""
     if params.seed is None or params.greedy:
@@ -153,13 +174,17 @@ class Sampler:
         for i in seq_ids:
             self._seeded.pop(i, None)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]):
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], bitmask: torch.Tensor | None = None):
+        """`bitmask`: structured output's int32 `[B, ceil(V/32)]` token mask (None: no row is guided),
+        applied after the logits processors and before temperature, top-k and top-p."""
         b = logits.shape[0]
         params = [s.params for s in seqs]
         greedy = [p.greedy for p in params]
         raw = logits
         if any(p.needs_logits_processing for p in params):
             logits = apply_logits_processors(logits, seqs)
+        if bitmask is not None:
+            logits = apply_token_bitmask(logits, bitmask)
         if all(greedy):
             tokens = logits.argmax(dim=-1)
         else:

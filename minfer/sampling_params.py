@@ -59,6 +59,10 @@ class SamplingParams:
             it plus this many top alternatives (0..20), as vLLM's `RequestOutput.prompt_logprobs` (the first
             entry is None). A request asking for them is not served from the prefix cache: every prompt
             position must be computed to have logits.
+        guided_decoding: a `GuidedDecodingParams` (structured output, vLLM's name): the output is constrained
+            to a JSON schema, a regex, a choice of strings, a grammar, or any JSON object, by a token mask
+            applied in the sampler at every step (`minfer.structured_output`). Not served with beam search;
+            speculative decoding skips such requests (they decode one token a step).
 
     Numbers may be any `numbers.Integral` / `numbers.Real` but a bool (NumPy's scalars too); they are stored
     as plain Python ints and floats.
@@ -86,6 +90,7 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
     prompt_logprobs: int | None = None
+    guided_decoding: "GuidedDecodingParams | None" = None
     # Filled in by the engine: the model's EOS ids (generation_config.json may list several).
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -131,6 +136,12 @@ class SamplingParams:
                              f"({self.max_tokens})")
         self.prompt_logprobs = self._number("prompt_logprobs", _as_int, lambda v: 0 <= v <= MAX_LOGPROBS,
                                             f"an integer in [0, {MAX_LOGPROBS}] or None", optional=True)
+        if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecodingParams):
+            if isinstance(self.guided_decoding, dict):
+                self.guided_decoding = GuidedDecodingParams(**self.guided_decoding)
+            else:
+                raise ValueError("SamplingParams.guided_decoding must be a GuidedDecodingParams (or a dict of its "
+                                 f"fields), got {type(self.guided_decoding).__name__}")
         self._verify_logit_bias()
         self._verify_stop()
         ids = [_as_int(t) for t in self.stop_token_ids]
@@ -235,6 +246,57 @@ def _as_float(value) -> float | None:
         except OverflowError:
             return None
     return None
+
+
+@dataclass
+class GuidedDecodingParams:
+    """What the output must match (vLLM's `GuidedDecodingParams`); exactly one field is set.
+
+    Args:
+        json: a JSON schema (a dict, or its JSON text) the output must validate against.
+        regex: a regular expression the whole output must match (Rust `regex` syntax, as llguidance reads it).
+        choice: a list of strings; the output is exactly one of them.
+        grammar: a context-free grammar in Lark syntax (llguidance's) or GBNF (llama.cpp's).
+        json_object: True: any JSON object (OpenAI's `response_format: {"type": "json_object"}`).
+
+    The grammar itself is compiled and checked against the tokenizer when the engine admits the request
+    (`minfer.structured_output.compile_grammar`): a bad schema or regex raises ValueError there, before the
+    request is queued.
+
+    Raises:
+        ValueError: none or more than one field set, or a field of the wrong type.
+    """
+
+    json: "dict | str | None" = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("SamplingParams.guided_decoding must set exactly one of json, regex, choice, grammar, "
+                             f"json_object; got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"SamplingParams.guided_decoding json must be a JSON schema (a dict or its text), "
+                             f"got {type(self.json).__name__}")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ValueError("SamplingParams.guided_decoding regex must be a string")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise ValueError("SamplingParams.guided_decoding grammar must be a string")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("SamplingParams.guided_decoding choice must be a non-empty list of non-empty strings")
+        if self.json_object not in (None, True, False):
+            raise ValueError("SamplingParams.guided_decoding json_object must be a boolean")
+
+    @property
+    def kind(self) -> str:
+        """Which field is set: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(n for n in ("json", "regex", "choice", "grammar", "json_object")
+                    if getattr(self, n) not in (None, False))
 
 
 @dataclass

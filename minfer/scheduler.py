@@ -46,6 +46,9 @@ class ScheduledBatch:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device blocks: copy-on-write
     num_preempted: int = 0
+    # structured output: int32 [len(seqs), ceil(V/32)] token bitmask of the rows (None: no guided row); set by
+    # the engine after scheduling (`minfer.structured_output.StructuredOutputManager.bitmask`)
+    grammar_bitmask: object = None
 
     @property
     def num_tokens(self) -> int:

@@ -186,9 +186,10 @@ class Worker:
         rows, logits = self.compute_logits(batch)
         if not rows:
             return rows, None, None, None
+        mask = None if batch.grammar_bitmask is None else batch.grammar_bitmask[rows]
         if any(batch.seqs[j].spec_token_ids for j in rows):
-            return (rows, *self._verify(logits, [batch.seqs[j] for j in rows]))
-        tokens, chosen, tops = self.sampler(logits, [batch.seqs[j] for j in rows])
+            return (rows, *self._verify(logits, [batch.seqs[j] for j in rows], mask))
+        tokens, chosen, tops = self.sampler(logits, [batch.seqs[j] for j in rows], mask)
         return rows, tokens.tolist(), (None if chosen is None else chosen.tolist()), tops
 
     @torch.inference_mode()
@@ -293,8 +294,10 @@ class Worker:
                 seq.prompt_logprobs.extend(entries)
             offset += n
 
-    def _verify(self, logits: torch.Tensor, seqs: list) -> tuple[list, list | None, list | None]:
-        """A batch with speculating rows: ordinary rows go through the sampler, each speculating row through
+    def _verify(self, logits: torch.Tensor, seqs: list, mask: torch.Tensor | None = None
+                ) -> tuple[list, list | None, list | None]:
+        """A batch with speculating rows: ordinary rows go through the sampler (with their rows of the
+        structured-output `mask`; a guided row never speculates), each speculating row through
         `rejection_sample` over its k + 1 logits and yields a list of tokens (with lists of logprobs)."""
         from minfer.spec_decode.rejection import rejection_sample
 
@@ -308,7 +311,8 @@ class Worker:
         if want_lp:
             chosen, tops = [None] * len(seqs), [None] * len(seqs)
         if plain:
-            t, c, tp = self.sampler(logits[last[plain]], [seqs[i] for i in plain])
+            t, c, tp = self.sampler(logits[last[plain]], [seqs[i] for i in plain],
+                                    None if mask is None else mask[plain])
             for r, i in enumerate(plain):
                 tokens[i] = int(t[r])
                 if want_lp:

@@ -7,14 +7,20 @@ A tiny random Llama with a word-level tokenizer (as in tests/test_spec_decode.py
 - a beam search sent while a sampled request runs waits for it (the engine loop runs it when idle), both
   answer, and no KV block leaks; on a stub engine, `EngineLoop.run_when_idle` runs a job only when idle,
   holds requests added meanwhile until it ran, drops a cancelled job and survives a failing one;
-- bad values, `stream: true`, sampling-only fields and beams too big for the KV pool are 400s with OpenAI's
-  error body naming the field.
+- streamed (`stream: true`), the same beams come one chunk each, then [DONE]; chat's `use_beam_search`
+  answers the beams of the rendered conversation as assistant messages, streamed or not;
+- bad values, sampling-only fields and beams too big for the KV pool are 400s with OpenAI's error body
+  naming the field;
+- through the real server with its engine in its own process (`python -m minfer.serve`, the default): the
+  beams equal `LLM.beam_search`'s, a beam search sent while streams run waits for them and all answer, a
+  failing search (beams too big for the pool) is a 400 and the server goes on, and no block leaks.
 
     PYTHONPATH=$PWD python -m pytest -q tests/test_serve_beam_search.py
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -112,7 +118,7 @@ def test_beam_search_waits_for_running_requests(served, reference_llm):
 
 
 @pytest.mark.parametrize("fields, param", [
-    (dict(stream=True), "stream"),
+    (dict(stream="yes"), "stream"),
     (dict(n=3, best_of=2), "best_of"),
     (dict(n=0), "n"),
     (dict(n=1000), "n"),
@@ -139,11 +145,49 @@ def test_bad_values_are_400_with_openai_error_body(served, fields, param):
     assert engine.all_blocks_free() and not engine.has_unfinished_requests()
 
 
-def test_chat_refuses_beam_search(served):
+def test_streamed_beams_equal_the_answer(served):
     client, _ = served
-    r = client.post("/v1/chat/completions", json={"model": "tiny", "use_beam_search": True,
-                                                  "messages": [{"role": "user", "content": "w3"}]})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search"
+    fields = dict(prompt=PROMPTS, n=2, best_of=3, max_tokens=8)
+    whole = _post(client, **fields).json()["choices"]
+    r = _post(client, stream=True, **fields)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    got = [(c["index"], c["text"], c["finish_reason"]) for e in events for c in e["choices"]]
+    assert got == [(c["index"], c["text"], c["finish_reason"]) for c in whole]
+    assert r.text.rstrip().endswith("data: [DONE]")
+
+
+def test_chat_beam_search(chat_served, model):
+    client, engine = chat_served
+    msgs = [{"role": "user", "content": "w3 w9 w12"}]
+    r = client.post("/v1/chat/completions", json={"model": "tiny", "use_beam_search": True, "n": 2,
+                                                  "max_completion_tokens": 6, "messages": msgs})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    ids = engine.tokenizer.encode_chat(msgs)
+    want = LLM(model=model, **ENGINE).beam_search([ids], BeamSearchParams(beam_width=2, max_tokens=6))[0]
+    assert got["object"] == "chat.completion"
+    assert [(c["message"]["role"], c["message"]["content"]) for c in got["choices"]] == [
+        ("assistant", s.text) for s in want.sequences[:2]]
+    r = client.post("/v1/chat/completions", json={"model": "tiny", "use_beam_search": True, "n": 2, "stream": True,
+                                                  "max_tokens": 6, "messages": msgs})
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert [c["delta"]["content"] for e in events[1:] for c in e["choices"]] == [s.text for s in want.sequences[:2]]
+    assert engine.all_blocks_free()
+
+
+@pytest.fixture(scope="module")
+def chat_served(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    path = _save_tiny(tmp_path_factory.mktemp("beamchat") / "m", 0)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}w1"
+    tok.save_pretrained(str(path))
+    llm = LLM(model=str(path), **ENGINE)
+    with TestClient(build_app(llm.llm_engine, served_model_names=["tiny"], log_requests=False)) as c:
+        yield c, llm.llm_engine
 
 
 class _BusyEngine:
@@ -206,3 +250,53 @@ def test_engine_loop_runs_a_job_only_when_idle_holds_new_requests_and_drops_canc
     finally:
         loop.stop()
     assert ran == ["j1"] and engine.added == ["r1"]
+
+
+# -- the engine in its own process (the server's default) ------------------------------------------------------
+@pytest.fixture(scope="module")
+def process_server(model):
+    from .serving import running_server
+
+    with running_server(["--model", model, "--served-model-name", "tiny", "--max-model-len", "128", "--seed", "0",
+                         "--attention-backend", "torch", "--kv-cache-memory-bytes", str(KV_BYTES),
+                         "--disable-log-requests", "--uvicorn-log-level", "warning"]) as url:
+        yield url
+
+
+@pytest.mark.slow
+def test_engine_process_beams_equal_llm_beam_search(process_server, reference_llm):
+    import httpx
+
+    url = process_server
+    fields = dict(n=2, best_of=3, max_tokens=8, length_penalty=0.5)
+    results = {}
+
+    def sampled(i):
+        results[i] = httpx.post(url + "/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": "w3 w4", "max_tokens": 40, "ignore_eos": True, "temperature": 1.0, "seed": i})
+
+    threads = [threading.Thread(target=sampled, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    r = httpx.post(url + "/v1/completions", timeout=120,
+                   json={"model": "tiny", "prompt": PROMPTS, "use_beam_search": True, **fields})
+    for t in threads:
+        t.join()
+    assert r.status_code == 200, r.text
+    want = reference_llm.beam_search(PROMPTS, BeamSearchParams(beam_width=3, max_tokens=8, length_penalty=0.5))
+    expected = [(i * 2 + j, s.text, s.finish_reason) for i, out in enumerate(want) for j, s in
+                enumerate(out.sequences[:2])]
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in r.json()["choices"]] == expected
+    assert all(results[i].status_code == 200 for i in range(3))
+    too_big = httpx.post(url + "/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": PROMPTS[0], "use_beam_search": True, "n": 64, "max_tokens": 100})
+    assert too_big.status_code == 400, too_big.text
+    assert httpx.post(url + "/v1/completions", timeout=60, json={"model": "tiny", "prompt": "w3",
+                                                                 "max_tokens": 3}).status_code == 200
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        s = httpx.get(url + "/v1/stats", timeout=10).json()["stats"]
+        if s["num_free_blocks"] == s["num_total_blocks"]:
+            break
+        time.sleep(0.2)
+    assert s["num_free_blocks"] == s["num_total_blocks"] and s["num_running"] == 0

@@ -257,11 +257,3 @@ def test_no_engine_process_flag_serves_in_process():
         r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 4,
                                                       "temperature": 0}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-
-
-def test_beam_search_says_it_needs_the_in_process_engine(server):
-    r = httpx.post(server + "/v1/completions", timeout=30, json={
-        "model": "smollm2-135m-instruct", "prompt": "Hi", "max_tokens": 4, "use_beam_search": True, "n": 2})
-    assert r.status_code == 400, r.text
-    err = r.json()["error"]
-    assert err["param"] == "use_beam_search" and "--no-engine-process" in err["message"]

@@ -20,12 +20,12 @@ class TritonSampler(Sampler):
     per row for the kernel's Philox), so a run is reproducible for a given engine seed.
     """
 
-    def __call__(self, logits: torch.Tensor, seqs):
+    def __call__(self, logits: torch.Tensor, seqs, bitmask: torch.Tensor | None = None):
         params = [s.params for s in seqs]
-        if all(p.greedy for p in params) or any(
+        if bitmask is not None or all(p.greedy for p in params) or any(
                 p.logprobs is not None or p.min_p > 0 or p.seed is not None or p.needs_logits_processing
                 for p in params):
-            return super().__call__(logits, seqs)
+            return super().__call__(logits, seqs, bitmask)
         dev = logits.device
         temp = torch.tensor([0.0 if p.greedy else float(p.temperature) for p in params], device=dev)
         top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev)

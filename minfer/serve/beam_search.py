@@ -4,29 +4,33 @@ The request's beam width is `best_of` if given, else `n`; the answer's `choices`
 prompt, best score first (choice `i * n + j` is beam `j` of prompt `i`, as OpenAI numbers completions). The
 fields beam search reads: `n`, `best_of`, `max_tokens` (default 16, capped to what max_model_len leaves, as
 for sampling), `temperature`, `length_penalty`, `early_stopping`, `ignore_eos`, `include_stop_str_in_output`.
-A sampling-only field set to anything but its default (`top_p`, `stop`, `logprobs`, ...) and `stream: true`
-are refused with a 400 naming them, rather than ignored.
+A sampling-only field set to anything but its default (`top_p`, `stop`, `logprobs`, ...) is refused with a
+400 naming it, rather than ignored. `/v1/chat/completions` takes `use_beam_search` too (the conversation
+rendered with the chat template; the beams are assistant messages), and `stream: true` sends each finished
+beam whole in one chunk.
 
 `LLM.beam_search` steps the executor itself, outside the scheduler, so it needs an idle engine: the search
-is a job the engine loop runs between two steps once no request is unfinished (`EngineLoop.run_when_idle`);
-requests that arrive meanwhile wait behind it. Nothing else of the serving path knows about beam search.
+is a job the engine runs between two steps once no request is unfinished (`EngineLoop.run_when_idle` in
+process; with the engine in its own process, `MPEngineClient.run_when_idle` sends the job there and
+`EngineCore` runs it); requests that arrive meanwhile wait behind it. Nothing else of the serving path knows about beam search.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import re
 import time
 import uuid
 
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 
 from minfer.beam_search import run_beam_search
 from minfer.sampling_params import BeamSearchParams, SamplingParams
 from minfer.sequence import validate_prompt
-from minfer.serve.protocol import APIError, echo, param_of, usage
+from minfer.serve.protocol import SSE_DONE, APIError, echo, param_of, sse, usage
 
 # Fields that only sampling reads, with the values that mean "not used" (JSON null always means not given).
 _SAMPLING_ONLY = {"top_p": (1, 1.0), "top_k": (-1, 0), "min_p": (0, 0.0), "stop": ([], ""), "stop_token_ids": ([],),
@@ -62,14 +66,21 @@ def beam_search_params(body: dict) -> tuple[BeamSearchParams, int, int | None]:
     length (`run`). Raises APIError(400) naming the field: stream, a sampling-only field, best_of < n, or a
     value `BeamSearchParams` refuses.
     """
-    if body.get("stream") is not None and body.get("stream") is not False:
-        raise APIError(400, "use_beam_search cannot be streamed (stream=true): the beams are known only when "
-                            "the search ends; send stream=false", param="stream")
+    if body.get("stream") is not None and not isinstance(body.get("stream"), bool):
+        raise APIError(400, f"stream must be a boolean (true or false), got {echo(body.get('stream'))}",
+                       param="stream")
     for name, unused in _SAMPLING_ONLY.items():
         value = body.get(name)
         if value is not None and not any(value == u and type(value) is type(u) for u in unused):
             raise APIError(400, f"{name}={echo(value)} is not supported with use_beam_search (beam search keeps "
                                 "the most likely beams; it does not sample)", param=name)
+    for name in ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                 "structured_outputs"):
+        value = body.get(name)
+        if value is not None and not (name == "response_format" and isinstance(value, dict)
+                                      and value.get("type") == "text"):
+            raise APIError(400, f"{name} (structured output) is not supported with use_beam_search: a grammar "
+                                "masks one sequence's tokens, and beams are scored without it", param=name)
     n = _int_field(body, "n", 1)
     width = _int_field(body, "best_of", n)
     if width < n:
@@ -107,7 +118,7 @@ def _per_prompt(engine, prompts: list[list[int]], params: BeamSearchParams, max_
     """Each prompt's params, an omitted max_tokens filled in as `protocol.fit_max_tokens` does; APIError(400)
     for a prompt the engine would refuse (checked here, before queueing: the answer needs no engine)."""
     out = []
-    max_model_len, vocab = engine.max_model_len, engine.model_config.vocab_size
+    max_model_len, vocab = engine.model_config.max_model_len, engine.model_config.vocab_size
     for ids in prompts:
         room = max_model_len - len(ids)
         p = params if max_tokens is not None else dataclasses.replace(
@@ -136,9 +147,18 @@ async def _wait(request: Request, q: asyncio.Queue):
     return get.result() if get in done else None
 
 
+def beam_search_job(engine, prompts: list[list[int]], per_prompt: list[BeamSearchParams]) -> list:
+    """The search on an idle `engine`: one `BeamSearchOutput` per prompt (run where the engine lives)."""
+    decode = engine.tokenizer.decode
+    return [run_beam_search(engine, [ids], p, decode)[0] for ids, p in zip(prompts, per_prompt)]
+
+
 async def serve_beam_search(serving, request: Request, body: dict, prompts: list[list[int]], model: str,
-                            default_max_tokens: int) -> dict | Response:
-    """Answer a `use_beam_search` completion for token-id `prompts`: OpenAI's `text_completion` object.
+                            default_max_tokens: int, chat: bool = False) -> dict | Response:
+    """Answer a `use_beam_search` request for token-id `prompts`: OpenAI's `text_completion` object, or with
+    `chat` (one rendered conversation) a `chat.completion` whose choices are the beams as assistant messages.
+    With `stream: true` the same choices come as server-sent events, each beam whole in one chunk (the beams
+    are known only when the search ends), then `[DONE]`.
 
     Raises:
         APIError(400): a bad field or prompt, or beams that cannot fit in the KV pool.
@@ -146,18 +166,11 @@ async def serve_beam_search(serving, request: Request, body: dict, prompts: list
         APIError(500): the search failed.
     """
     params, n, max_tokens = beam_search_params(body)
-    if not hasattr(serving.engine_loop, "run_when_idle"):
-        # The search steps the executor itself, between the engine's steps; the engine-core process has no
-        # such job yet (chapter 9, §9.2.1). Say so instead of failing inside the request.
-        raise APIError(400, "use_beam_search runs only with the in-process engine in this version: start the "
-                       "server with --no-engine-process", param="use_beam_search")
     per_prompt = _per_prompt(serving.engine, prompts, params, max_tokens, default_max_tokens)
-    decode = serving.engine.tokenizer.decode
-
-    def job(engine):
-        return [run_beam_search(engine, [ids], p, decode)[0] for ids, p in zip(prompts, per_prompt)]
-
-    req_id = f"cmpl-{uuid.uuid4().hex}"
+    # A module-level function and plain data: the in-process loop calls it, and the engine-core process
+    # receives it pickled (`MPEngineClient.run_when_idle`) and calls it on its own engine.
+    job = functools.partial(beam_search_job, prompts=prompts, per_prompt=per_prompt)
+    req_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     q: asyncio.Queue = asyncio.Queue()
     serving.engine_loop.run_when_idle(req_id, job, q)
     event = await _wait(request, q)
@@ -175,7 +188,25 @@ async def serve_beam_search(serving, request: Request, body: dict, prompts: list
     for i, out in enumerate(payload):
         for j, beam in enumerate(out.sequences[:n]):
             completion_tokens += len(beam.output_token_ids)
-            choices.append({"index": i * n + j, "text": beam.text, "logprobs": None,
-                            "finish_reason": beam.finish_reason})
-    return {"id": req_id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage(sum(len(p) for p in prompts), completion_tokens)}
+            content = ({"message": {"role": "assistant", "content": beam.text}} if chat else {"text": beam.text})
+            choices.append({"index": i * n + j, **content, "logprobs": None, "finish_reason": beam.finish_reason})
+    created, total = int(time.time()), usage(sum(len(p) for p in prompts), completion_tokens)
+    if body.get("stream"):
+        return StreamingResponse(_beam_events(req_id, created, model, choices, chat), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return {"id": req_id, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": model, "choices": choices, "usage": total}
+
+
+async def _beam_events(req_id: str, created: int, model: str, choices: list[dict], chat: bool):
+    """The SSE chunks of finished beams: (chat: a role chunk,) one chunk per beam, [DONE]."""
+    head = {"id": req_id, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+            "model": model}
+    if chat:
+        yield sse({**head, "choices": [{"index": c["index"], "delta": {"role": "assistant", "content": ""},
+                                         "logprobs": None, "finish_reason": None} for c in choices]})
+    for c in choices:
+        part = {"delta": {"content": c["message"]["content"]}} if chat else {"text": c["text"]}
+        yield sse({**head, "choices": [{"index": c["index"], **part, "logprobs": None,
+                                        "finish_reason": c["finish_reason"]}]})
+    yield SSE_DONE

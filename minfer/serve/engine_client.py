@@ -182,6 +182,24 @@ class MPEngineClient:
             for _ in gone:
                 self.metrics.observe_finished("abort", [], None, None)
 
+    def run_when_idle(self, job_id: str, fn, q: asyncio.Queue) -> None:
+        """Send `fn(engine)` (picklable: a module-level function or a partial of one) to the engine process,
+        which runs it once its engine has no unfinished request, holding requests added meanwhile (as
+        `EngineLoop.run_when_idle`). `(job_id, "done", result)` or `(job_id, "error", exc)` arrives on `q`."""
+        if not self.alive:
+            q.put_nowait((job_id, "error", APIError(503, self._dead_message())))
+            return
+        with self._lock:
+            self._routes[job_id] = _Route(asyncio.get_running_loop(), q, time.perf_counter())
+        self._send(("job", job_id, fn))
+
+    def cancel_job(self, job_id: str) -> None:
+        """Drop a job that has not started (its client left); one already running finishes unread."""
+        with self._lock:
+            self._routes.pop(job_id, None)
+        if self.alive:
+            self._send(("cancel_job", job_id))
+
     def _send(self, cmd) -> None:
         with self._send_lock:
             self._send_sock.send(pickle.dumps(cmd, protocol=pickle.HIGHEST_PROTOCOL))
@@ -256,6 +274,17 @@ class MPEngineClient:
             if route is not None:
                 exc = _EXC[typ](text) if typ in _EXC else RuntimeError(f"{typ}: {text}")
                 self._post_many([(route, (rid, "error", exc))])
+        elif kind == "job":
+            _, job_id, status, payload = msg
+            with self._lock:
+                route = self._routes.pop(job_id, None)
+            if route is not None:
+                if status == "done":
+                    event = (job_id, "done", pickle.loads(payload))
+                else:
+                    typ, text = payload
+                    event = (job_id, "error", _EXC[typ](text) if typ in _EXC else RuntimeError(f"{typ}: {text}"))
+                self._post_many([(route, event)])
         elif kind == "fatal":
             _, rids, text = msg
             self.num_step_errors += 1

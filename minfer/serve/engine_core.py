@@ -24,6 +24,8 @@ A message from the core is a msgpack list whose first item says what it is:
     ["stats", stats]                when idle, after commands (so /v1/stats and /metrics stay current)
     ["error", rid, type, message]   `add_request` refused that request (the engine goes on)
     ["fatal", [rid, ...], message]  a step raised; those requests were aborted (their blocks freed)
+    ["job", job_id, "done", pickled result] / ["job", job_id, "error", [type, message]]
+                                    a job (`("job", job_id, fn)`: beam search) ran on the idle engine
 
 The process exits when its parent does (checked whenever it waits for work), so a killed server leaves
 no engine behind.
@@ -136,6 +138,8 @@ class EngineCore:
         self.parent = os.getppid()
         self._last_stats = 0.0
         self._added: list[str] = []
+        self._jobs: list = []  # (job_id, fn) waiting for an idle engine
+        self._deferred: list = []  # "add" commands that arrived while a job waited
 
     def _send(self, msg) -> None:
         self.out.send(self.pack(msg), copy=False)
@@ -145,8 +149,18 @@ class EngineCore:
         return stats_dict(self.engine.stats())
 
     def _handle(self, raw: bytes) -> None:
-        cmd = pickle.loads(raw)
-        if cmd[0] == "add":
+        self._run_command(pickle.loads(raw))
+
+    def _run_command(self, cmd) -> None:
+        if cmd[0] == "add" and self._jobs:  # behind a waiting job: the running requests drain for it
+            self._deferred.append(cmd)
+        elif cmd[0] == "job":
+            self._jobs.append((cmd[1], cmd[2]))
+        elif cmd[0] == "cancel_job":
+            self._jobs = [j for j in self._jobs if j[0] != cmd[1]]
+            if not self._jobs:
+                self._release_deferred()
+        elif cmd[0] == "add":
             _, rid, prompt, params, arrival = cmd
             try:
                 self.engine.add_request(rid, prompt, params, arrival_time=arrival)
@@ -160,6 +174,28 @@ class EngineCore:
                 self.sent.pop(r, None)
             if rids:
                 self.engine.abort_request(rids)
+
+    def _release_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        for cmd in deferred:
+            self._run_command(cmd)
+        if self._added:
+            self._send(["added", self._added])
+            self._added = []
+
+    def _run_jobs(self) -> None:
+        """Run the waiting jobs on the idle engine, answer each, then add the requests held behind them."""
+        while self._jobs:
+            job_id, fn = self._jobs.pop(0)
+            try:
+                result = fn(self.engine)
+            except Exception as exc:  # noqa: BLE001 - a failed job answers its own request only
+                logger.info("job %s failed: %s: %s", job_id, type(exc).__name__, exc)
+                self._send(["job", job_id, "error", [type(exc).__name__, str(exc)]])
+            else:
+                self._send(["job", job_id, "done", pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)])
+        self._release_deferred()
+        self._send(["stats", self._stats()])
 
     def _drain(self, timeout_ms: int) -> bool:
         """Run every queued command, waiting up to `timeout_ms` for the first. True if any ran."""
@@ -183,13 +219,16 @@ class EngineCore:
         while True:
             busy = engine.has_unfinished_requests()
             ran = self._drain(0 if busy else 200)
-            if not busy and not ran:
+            if not busy and not ran and not self._jobs:
                 if os.getppid() != self.parent:  # the API process is gone: nobody will read our outputs
                     logger.info("parent process exited; engine core stops")
                     return
                 continue
             if ran:
                 self._send(["stats", self._stats()])
+            if self._jobs and not engine.has_unfinished_requests():
+                self._run_jobs()
+                continue
             if not engine.has_unfinished_requests():
                 continue
             try:

@@ -127,10 +127,8 @@ def _reject_unsupported(body: dict, chat: bool) -> None:
     checks = {"best_of": lambda v: v not in (None, 1) and v != body.get("n", 1),
               # vLLM's extra field; here the prompt's logprobs come from echo + logprobs on /v1/completions.
               "prompt_logprobs": lambda v: v is not None}
-    if chat:
-        checks.update({"tools": nonzero, "functions": nonzero,
-                       "response_format": lambda v: v not in (None, {}) and not (isinstance(v, dict)
-                                                                                   and v.get("type") == "text")})
+    if chat:  # `tools` and `response_format` are read by `serve.tools` and `serve.guided`
+        checks.update({"functions": nonzero})
     else:
         checks.update({"suffix": nonzero})
     for name, is_set in checks.items():
@@ -208,6 +206,11 @@ def sampling_params(body: dict, *, chat: bool) -> SamplingParams:
         if echo_on and logprobs is not None:
             extra["prompt_logprobs"] = logprobs
     _check_stream_fields(body)
+    from minfer.serve.guided import guided_decoding_params
+
+    guided, _ = guided_decoding_params(body)  # response_format, guided_*: compiled here, before admission
+    if guided is not None:
+        extra["guided_decoding"] = guided
     try:
         return SamplingParams(
             n=_get(body, "n", 1),

@@ -115,8 +115,6 @@ async def _read(request: Request) -> tuple[OpenAIServing, dict, str]:
 async def _parse(request: Request, *, chat: bool) -> tuple[OpenAIServing, dict, str, SamplingParams]:
     """`_read`, then the sampling parameters."""
     serving, body, model = await _read(request)
-    if chat and body.get("use_beam_search") not in (None, False):
-        raise APIError(400, "use_beam_search is served on /v1/completions only", param="use_beam_search")
     return serving, body, model, sampling_params(body, chat=chat)
 
 
@@ -159,19 +157,64 @@ async def completions(request: Request):
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
-    serving, body, model, params = await _parse(request, chat=True)
+    serving, body, model = await _read(request)
+    if beam_search_requested(body):
+        return await _chat_beam_search(request, serving, body, model)
+    params = sampling_params(body, chat=True)
     check_fan_out(1, params.n, serving.limits)
     check_message_chars(body.get("messages"), serving.limits, serving.max_model_len)
-    messages = normalize_messages(body.get("messages"))
+    tools, params = _chat_tools(body, params)
+    messages = body.get("messages") if tools is not None else normalize_messages(body.get("messages"))
     try:
         # Token ids, not text: the template already holds any BOS, and the engine would add another when
         # it tokenized a string. Rendering and tokenizing run off the event loop and the engine thread.
-        prompt = await run_in_threadpool(serving.engine.tokenizer.encode_chat, messages)
+        if tools is not None:
+            from minfer.serve.tools import render_prompt
+
+            prompt = await run_in_threadpool(render_prompt, serving.engine.tokenizer, messages, tools)
+        else:
+            prompt = await run_in_threadpool(serving.engine.tokenizer.encode_chat, messages)
     except (ValueError, TypeError, KeyError) as exc:
         raise APIError(400, f"messages could not be rendered with the chat template: {exc}",
                        param="messages") from None
     return await serving.generate(request, body, [prompt], params, chat=True, model=model, id_prefix="chatcmpl",
-                                  default_max_tokens=None)
+                                  default_max_tokens=None, tools=tools)
+
+
+async def _chat_beam_search(request: Request, serving: OpenAIServing, body: dict, model: str):
+    """`use_beam_search` on chat: the conversation rendered, then `serve.beam_search` (no default max_tokens:
+    up to max_model_len, as chat sampling)."""
+    if body.get("tools"):
+        raise APIError(400, "tools are not supported with use_beam_search", param="tools")
+    if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
+        body = {**body, "max_tokens": body["max_completion_tokens"]}  # chat's newer name for it
+    params = beam_search_params(body)[0]
+    check_fan_out(1, params.beam_width, serving.limits)
+    check_message_chars(body.get("messages"), serving.limits, serving.max_model_len)
+    messages = normalize_messages(body.get("messages"))
+    try:
+        prompt = await run_in_threadpool(serving.engine.tokenizer.encode_chat, messages)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise APIError(400, f"messages could not be rendered with the chat template: {exc}",
+                       param="messages") from None
+    return await serve_beam_search(serving, request, body, [prompt], model, serving.max_model_len, chat=True)
+
+
+def _chat_tools(body: dict, params: SamplingParams):
+    """(the request's `serve.tools.ToolRequest` or None, `params` with the call's grammar for a "required" or
+    named tool_choice). APIError(400) for bad tools, or a forced call together with a response_format."""
+    from minfer.serve.tools import guided, parse_tools
+
+    tools = parse_tools(body)
+    if tools is None:
+        return None, params
+    g = guided(tools)
+    if g is not None:
+        if params.guided_decoding is not None:
+            raise APIError(400, "tool_choice \"required\" or a named function already constrains the output; "
+                                "leave out response_format / guided_*", param="tool_choice")
+        params = params.clone(guided_decoding=g)
+    return tools, params
 
 
 @_get("/v1/stats")

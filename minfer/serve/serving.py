@@ -65,12 +65,13 @@ class OpenAIServing:
 
     async def generate(self, request: Request, body: dict, prompts: list[list[int]], params: SamplingParams, *,
                        chat: bool, model: str, id_prefix: str, default_max_tokens: int | None,
-                       echo_prompts: list[str] | None = None, score_only: bool = False):
+                       echo_prompts: list[str] | None = None, score_only: bool = False, tools=None):
         """Run `prompts` (token ids); answer a dict (JSON), an SSE stream, or 499 if the client left.
 
         `default_max_tokens` is the endpoint's default for an omitted max_tokens (None: up to max_model_len);
         each prompt gets it capped to what is left after it (`protocol.fit_max_tokens`). `echo_prompts` and
-        `score_only`: completions' echo (`protocol.completion_response`). The fallbacks (`fallbacks.py`) apply
+        `score_only`: completions' echo (`protocol.completion_response`). `tools`: chat's `serve.tools.ToolRequest`
+        (its calls are parsed out of the text into `tool_calls`). The fallbacks (`fallbacks.py`) apply
         here, in this order: `truncate_prompt_tokens`, the waiting-requests limit (503), the KV-pressure cap,
         the time limit.
         """
@@ -105,7 +106,13 @@ class OpenAIServing:
         headers = {} if fallback is None else {"X-Max-Tokens-Capped": str(fallback["max_tokens_capped"]["granted"])}
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            chunks = StreamChunks(req_id, created, model, group.index, params.n, k, self.tok_text, chat=chat)
+            if tools is not None:
+                from minfer.serve.tools import ToolStreamChunks
+
+                chunks = ToolStreamChunks(req_id, created, model, group.index, params.n, k, self.tok_text, chat=chat,
+                                          tool_request=tools)
+            else:
+                chunks = StreamChunks(req_id, created, model, group.index, params.n, k, self.tok_text, chat=chat)
             return _SSEResponse(_stream(group, chunks, include_usage, req_id, deadline, self.engine_loop.metrics),
                                 media_type="text/event-stream", headers={**_SSE_HEADERS, **headers})
         final = await _collect_unless_disconnected(request, group, req_id, deadline)
@@ -118,6 +125,10 @@ class OpenAIServing:
             snaps = [final[rid] for rid in group.rids]
         answer = completion_response(req_id, created, model, snaps, params.n, k,
                                      self.tok_text, chat=chat, echo_prompts=echo_prompts, score_only=score_only)
+        if tools is not None:
+            from minfer.serve.tools import rewrite_response
+
+            answer = rewrite_response(answer, tools)
         if fallback is not None:
             answer["fallback"] = fallback
         return JSONResponse(answer, headers=headers) if headers else answer

@@ -1,0 +1,264 @@
+"""Tools (function calling) in /v1/chat/completions: OpenAI's `tools` and `tool_choice`, with `tool_calls` in
+the answer.
+
+    parse_tools(body) ─► render_prompt ─► [grammar for "required" / a named function] ─► engine ─► parse_output
+     (tools, choice)     (the template's       (the output IS a call:                                   (text ->
+                          tool support, or      {"name": ..., "arguments": {...}})                        tool_calls)
+                          minfer's own prompt)
+
+`tool_choice`:
+
+- "none": the tools are not shown to the model; the answer is text.
+- "auto" (the default when tools are given): the tools are shown; the output is free, and a reply that is a
+  call (`{"name": <a tool>, "arguments": {...}}`, bare or inside `<tool_call>...</tool_call>` as Hermes-style
+  templates write it) is returned as `tool_calls`, anything else as `content`.
+- "required" / `{"type": "function", "function": {"name": ...}}`: structured output constrains the output to
+  the JSON of one call of any tool / of that tool (its `parameters` schema for the arguments), so the answer
+  is always a valid call (`minfer.structured_output`).
+
+A chat template that renders `tools` (Qwen's, Llama 3.1's, Hermes') is given them; one that ignores them
+(SmolLM2-135M-Instruct's: the render is the same with and without) gets them in a system message that
+minfer writes, `TOOL_PROMPT`. One call per answer: `parallel_tool_calls` is accepted, and at most one call
+is made. A streamed answer with tools sends its call (or its text) in one delta when the output is complete
+(vLLM's tool parsers stream the arguments as they grow).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+
+from minfer.sampling_params import GuidedDecodingParams
+from minfer.serve.protocol import APIError, StreamChunks, echo
+
+TOOL_PROMPT = ("You can call functions. To call one, reply with only a JSON object "
+               "{{\"name\": <function name>, \"arguments\": {{<its arguments>}}}} and nothing else.{auto}\n"
+               "Functions:\n{functions}")
+MAX_TOOLS = 128  # OpenAI's limit
+
+
+@dataclass
+class ToolRequest:
+    """A request's tools: `tools` (OpenAI's function objects), `choice` ("none", "auto", "required" or
+    "function"), `name` (the forced function's name)."""
+
+    tools: list[dict]
+    choice: str
+    name: str | None = None
+    functions: dict[str, dict] = field(default_factory=dict)  # name -> {"name", "description", "parameters"}
+
+    @property
+    def constrained(self) -> bool:
+        return self.choice in ("required", "function")
+
+
+def parse_tools(body: dict) -> ToolRequest | None:
+    """The body's `tools` and `tool_choice`, checked; None when no tool may be called.
+
+    Raises:
+        APIError(400): a malformed tool or tool_choice, a duplicate or unknown name, tool_choice without tools.
+    """
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is None or tools == []:
+        if choice not in (None, "none"):
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        return None
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise APIError(400, f"tools must be a list of at most {MAX_TOOLS} function tools", param="tools")
+    functions: dict[str, dict] = {}
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise APIError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                                f"\"parameters\": {{...}}}}}}, got {echo(t)}", param="tools")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema object", param="tools")
+        if fn["name"] in functions:
+            raise APIError(400, f"tools[{i}]: the function name {echo(fn['name'])} is used twice", param="tools")
+        functions[fn["name"]] = {"name": fn["name"], "description": fn.get("description") or "",
+                                 "parameters": params}
+    if choice is None:
+        choice = "auto"
+    if isinstance(choice, dict):
+        fn = choice.get("function") if choice.get("type") == "function" else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if name not in functions:
+            raise APIError(400, f"tool_choice names no given function: {echo(choice)}", param="tool_choice")
+        req = ToolRequest(tools, "function", name, functions)
+    elif choice in ("none", "auto", "required"):
+        req = ToolRequest(tools, choice, None, functions)
+    else:
+        raise APIError(400, "tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                            f"\"function\": {{\"name\": ...}}}}, got {echo(choice)}", param="tool_choice")
+    return None if req.choice == "none" else req
+
+
+def call_schema(req: ToolRequest) -> dict:
+    """The JSON schema of one call: {"name": const, "arguments": the tool's parameters}, any tool's
+    ("required") or the named one's."""
+    names = [req.name] if req.choice == "function" else list(req.functions)
+    alts = [{"type": "object", "properties": {"name": {"const": n}, "arguments": req.functions[n]["parameters"]},
+             "required": ["name", "arguments"], "additionalProperties": False} for n in names]
+    return alts[0] if len(alts) == 1 else {"anyOf": alts}
+
+
+def guided(req: ToolRequest) -> GuidedDecodingParams | None:
+    """The structured-output constraint of a "required" or named tool_choice (None for "auto").
+
+    Raises:
+        APIError(400, param="tools"): a parameters schema the grammar library cannot compile.
+    """
+    if not req.constrained:
+        return None
+    from minfer.serve.guided import check
+
+    g = GuidedDecodingParams(json=call_schema(req))
+    check(g, "tools")
+    return g
+
+
+# -- the prompt ---------------------------------------------------------------------------------------------
+_RENDERS_TOOLS: dict[int, bool] = {}
+
+
+def template_renders_tools(hf_tokenizer) -> bool:
+    """Whether the chat template shows `tools` at all (rendered with and without a probe tool)."""
+    key = id(hf_tokenizer)
+    if key not in _RENDERS_TOOLS:
+        probe = [{"type": "function", "function": {"name": "probe_fn_x", "description": "d",
+                                                   "parameters": {"type": "object", "properties": {}}}}]
+        msgs = [{"role": "user", "content": "hi"}]
+        try:
+            with_tools = hf_tokenizer.apply_chat_template(msgs, tools=probe, tokenize=False, add_generation_prompt=True)
+            plain = hf_tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            _RENDERS_TOOLS[key] = with_tools != plain
+        except Exception:  # noqa: BLE001  a template that fails on tools does not support them
+            _RENDERS_TOOLS[key] = False
+    return _RENDERS_TOOLS[key]
+
+
+def _call_text(call: dict) -> str:
+    fn = call.get("function") or {}
+    args = fn.get("arguments")
+    try:
+        args = json.loads(args) if isinstance(args, str) else args
+    except json.JSONDecodeError:
+        pass
+    return json.dumps({"name": fn.get("name"), "arguments": args}, ensure_ascii=False)
+
+
+def _messages(raw: list, native: bool) -> list[dict]:
+    """Chat messages for the template: assistant `tool_calls` as the template expects them (native) or as
+    the JSON text of the call (minfer's prompt); `tool` results as their content."""
+    from minfer.tokenizer import normalize_messages
+
+    def plain(m):
+        if not isinstance(m, dict):
+            return m
+        d = {k: v for k, v in m.items() if k in ("role", "content")}
+        if m.get("tool_calls"):
+            d.setdefault("content", None)  # a call-only assistant turn may leave content out
+        return d
+
+    if not isinstance(raw, list):
+        raise ValueError("messages must be a non-empty list of {role, content} objects")
+    base = normalize_messages([plain(m) for m in raw])
+    out = []
+    for m, b in zip(raw, base):
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if calls and isinstance(calls, list):
+            if native:
+                b["tool_calls"] = [{"type": "function", "function": {
+                    "name": (c.get("function") or {}).get("name"),
+                    "arguments": json.loads(_call_text(c))["arguments"]}} for c in calls if isinstance(c, dict)]
+            else:
+                b["content"] = (b["content"] + "\n" if b["content"] else "") + "\n".join(
+                    _call_text(c) for c in calls if isinstance(c, dict))
+        if isinstance(m, dict) and m.get("role") == "tool" and isinstance(m.get("tool_call_id"), str):
+            b["tool_call_id"] = m["tool_call_id"]
+        out.append(b)
+    return out
+
+
+def render_prompt(tokenizer, raw_messages, req: ToolRequest) -> list[int]:
+    """The prompt's token ids, with the tools shown to the model (see the module docstring).
+
+    Raises:
+        ValueError: messages the template cannot render.
+    """
+    hf = tokenizer.hf
+    native = template_renders_tools(hf)
+    msgs = _messages(raw_messages, native)
+    if native:
+        text = hf.apply_chat_template(msgs, tools=req.tools, tokenize=False, add_generation_prompt=True)
+    else:
+        listing = "\n".join(json.dumps(f, ensure_ascii=False) for f in req.functions.values())
+        auto = " If no function fits, answer in plain text." if req.choice == "auto" else ""
+        system = TOOL_PROMPT.format(auto=auto, functions=listing)
+        if msgs and msgs[0]["role"] == "system":
+            msgs = [{"role": "system", "content": msgs[0]["content"] + "\n\n" + system}] + msgs[1:]
+        else:
+            msgs = [{"role": "system", "content": system}] + msgs
+        text = tokenizer.apply_chat_template(msgs)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+# -- the answer ---------------------------------------------------------------------------------------------
+def parse_output(text: str, req: ToolRequest) -> tuple[str | None, list[dict]]:
+    """(content, tool_calls) of an output: a call of a given tool (bare JSON or in <tool_call> tags) becomes
+    one OpenAI tool call with its arguments as JSON text; anything else stays content."""
+    body = text.strip()
+    if body.startswith("<tool_call>"):
+        body = body[len("<tool_call>"):].split("</tool_call>")[0].strip()
+    try:
+        obj = json.loads(body)
+    except (json.JSONDecodeError, RecursionError):
+        return text, []
+    if not (isinstance(obj, dict) and obj.get("name") in req.functions):
+        return text, []
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if not isinstance(args, dict):
+        return text, []
+    call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
+    return None, [call]
+
+
+def rewrite_response(resp: dict, req: ToolRequest) -> dict:
+    """A chat.completion answer with each choice's call moved from `content` to `tool_calls`
+    (finish_reason "tool_calls")."""
+    for c in resp["choices"]:
+        content, calls = parse_output(c["message"]["content"] or "", req)
+        if calls:
+            c["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+            if c["finish_reason"] == "stop":
+                c["finish_reason"] = "tool_calls"
+    return resp
+
+
+class ToolStreamChunks(StreamChunks):
+    """`StreamChunks` for a request with tools: each choice's output is held until it is complete, then sent
+    in one delta, as `tool_calls` (finish_reason "tool_calls") if it is a call, else as `content`."""
+
+    def __init__(self, *args, tool_request: ToolRequest, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tool_request = tool_request
+
+    def _choice_delta(self, request_id: str, o) -> dict | None:
+        key = (request_id, o.index)
+        if key in self.finished:
+            return None
+        self.completion_tokens[key] = len(o.token_ids)
+        if o.finish_reason is None:
+            return None
+        self.finished.add(key)
+        index = self.prompt_index[request_id] * self.n + o.index
+        content, calls = parse_output(o.text, self.tool_request)
+        if calls:
+            delta = {"tool_calls": [{"index": 0, **calls[0]}]}
+            finish = "tool_calls" if o.finish_reason == "stop" else o.finish_reason
+        else:
+            delta, finish = ({"content": o.text} if o.text else {}), o.finish_reason
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}

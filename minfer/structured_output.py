@@ -1,0 +1,171 @@
+"""Structured output (article §7): a grammar turned into a mask over the vocabulary, one step at a time.
+
+    GuidedDecodingParams ─► compile_grammar ─► LLMatcher per sequence ─► bitmask [B, ceil(V/32)] int32
+       (json / regex /        (llguidance:        (advanced with every      ─► Sampler: masked_fill(-inf)
+        choice / grammar)      a Lark grammar)      accepted token)              before temperature, top-k/p
+
+A JSON schema, a regex or a choice is a context-free grammar; the grammar library (llguidance,
+https://github.com/guidance-ai/llguidance) keeps a parser state per sequence and answers, for that state,
+which of the V tokens may come next, as one bit per token packed in int32 words (bit j of word w is token
+32 w + j). The engine asks for the mask of every guided row of a step in one call, the sampler applies all
+rows at once with tensor ops (`minfer.sampling.apply_token_bitmask`), and the sampled token advances the
+row's parser. When the grammar is complete the matcher allows only EOS; the engine then finishes the
+sequence ("stop"), EOS or not.
+
+What minfer writes is the plumbing (which rows, when to advance, preemption, errors); the parser over the
+tokenizer's byte strings is llguidance's (Rust, one wheel with no dependencies). Preemption keeps a matcher
+as it is: recompute re-runs the prompt and the output already generated, and the matcher has consumed exactly
+those output tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import torch
+
+from minfer.sampling_params import GuidedDecodingParams
+
+_TOKENIZERS: dict[int, object] = {}
+_LOCK = threading.Lock()
+
+
+def _llguidance():
+    try:
+        import llguidance
+        import llguidance.hf  # noqa: F401
+    except ImportError as exc:  # the optional dependency (pip install llguidance)
+        raise ValueError("structured output needs llguidance: pip install llguidance "
+                         "(or minfer's 'structured' extra)") from exc
+    return llguidance
+
+
+def grammar_text(guided: GuidedDecodingParams) -> str:
+    """The llguidance grammar (a JSON string) of `guided`. Not checked yet: see `validate_grammar`.
+
+    Raises:
+        ValueError: a `json` that is not JSON text or an object.
+    """
+    ll = _llguidance()
+    kind = guided.kind
+    if kind in ("json", "json_object"):
+        schema = guided.json if kind == "json" else {"type": "object"}
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"guided_decoding json is not valid JSON: {exc}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError("guided_decoding json must be a JSON schema object")
+        # A compact layout ("," and ": "), and no whitespace between tokens: a small model given the freedom
+        # of JSON's whitespace can spend every token on newlines.
+        return ll.LLMatcher.grammar_from_json_schema(
+            schema, defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
+    if kind == "regex":
+        return ll.LLMatcher.grammar_from_regex(guided.regex)
+    if kind == "choice":
+        return ll.grammar_from("choice", json.dumps(list(guided.choice)))
+    return ll.grammar_from("grammar", guided.grammar)
+
+
+def validate_grammar(guided: GuidedDecodingParams) -> str:
+    """Compile `guided` without a tokenizer (what the server checks before admission); returns the grammar.
+
+    Raises:
+        ValueError: "invalid guided_decoding <kind>: <the library's message>".
+    """
+    ll = _llguidance()
+    try:
+        text = grammar_text(guided)
+    except ValueError as exc:
+        raise ValueError(f"invalid guided_decoding {guided.kind}: {exc}") from None
+    error = ll.LLMatcher.validate_grammar(text)
+    if error:
+        raise ValueError(f"invalid guided_decoding {guided.kind}: {error[:500]}")
+    return text
+
+
+def llg_tokenizer(hf_tokenizer, vocab_size: int, eos_token_ids: tuple):
+    """llguidance's view of a Hugging Face fast tokenizer (about 0.5 s to build: cached per tokenizer)."""
+    ll = _llguidance()
+    key = id(hf_tokenizer)
+    with _LOCK:
+        tok = _TOKENIZERS.get(key)
+        if tok is None:
+            eos = list(eos_token_ids) or None
+            tok = _TOKENIZERS[key] = (hf_tokenizer, ll.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
+                                                                        eos_token=eos))
+    return tok[1]
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """int32 words per row of a token bitmask: ceil(V / 32)."""
+    return (vocab_size + 31) // 32
+
+
+class StructuredOutputManager:
+    """The engine's matchers: one `llguidance.LLMatcher` per guided sequence, keyed by `seq_id` (so a
+    `Sequence` stays plain data).
+
+    Args:
+        hf_tokenizer: the engine's Hugging Face fast tokenizer. vocab_size: the model's logits width V.
+        eos_token_ids: the model's EOS ids (the token a complete grammar allows).
+    """
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple):
+        self.hf, self.vocab_size, self.eos = hf_tokenizer, vocab_size, tuple(eos_token_ids)
+        self.matchers: dict[int, object] = {}
+        self.mask_time_s = 0.0  # seconds spent computing masks (the cost a guided step adds)
+
+    def compile(self, guided: GuidedDecodingParams):
+        """A fresh matcher for `guided`.
+
+        Raises:
+            ValueError: the grammar is invalid (with the library's message).
+        """
+        ll = _llguidance()
+        text = validate_grammar(guided)
+        m = ll.LLMatcher(llg_tokenizer(self.hf, self.vocab_size, self.eos), text, log_level=0)
+        if m.is_error():
+            raise ValueError(f"invalid guided_decoding {guided.kind}: {m.get_error()[:500]}")
+        return m
+
+    def add(self, seq_ids: list[int], guided: GuidedDecodingParams) -> None:
+        """Give each of `seq_ids` (the n sequences of one request) its own matcher; raises as `compile`."""
+        first = self.compile(guided)
+        for i, sid in enumerate(seq_ids):
+            self.matchers[sid] = first if i == 0 else first.deep_copy()
+
+    def bitmask(self, seqs: list) -> torch.Tensor | None:
+        """The token bitmask of a step: int32 `[len(seqs), ceil(V/32)]`, all ones (-1) for unguided rows, or
+        None when no row of `seqs` is guided."""
+        guided = [(j, self.matchers[s.seq_id]) for j, s in enumerate(seqs) if s.seq_id in self.matchers]
+        if not guided:
+            return None
+        t0 = time.perf_counter()
+        mask = torch.full((len(seqs), bitmask_width(self.vocab_size)), -1, dtype=torch.int32)
+        row_bytes = mask.shape[1] * 4
+        for j, m in guided:  # one call per guided row, into the tensor's own memory (no copy)
+            m.unsafe_compute_mask_ptr(mask[j].data_ptr(), row_bytes)
+        self.mask_time_s += time.perf_counter() - t0
+        return mask
+
+    def accept(self, seq, token: int) -> bool:
+        """Advance `seq`'s matcher by its sampled `token`; True when the grammar is now complete (the
+        sequence should finish). An unguided sequence: False.
+
+        A token the mask allowed is always accepted; EOS at the end of a complete grammar is accepted too.
+        """
+        m = self.matchers.get(seq.seq_id)
+        if m is None:
+            return False
+        if token in self.eos and m.is_accepting():
+            return True
+        m.consume_token(token)
+        return m.is_stopped() or m.is_error()
+
+    def release(self, seq_ids) -> None:
+        for sid in seq_ids:
+            self.matchers.pop(sid, None)
