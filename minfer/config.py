@@ -25,6 +25,11 @@ DTYPES = {
     "int4": (None, 0.5),
 }
 MODEL_DTYPES = tuple(n for n, (t, _) in DTYPES.items() if t in ("float32", "float16", "bfloat16"))
+# `kv_cache_dtype` (vLLM's names): "auto" stores K/V in the model's dtype; a float name casts them; the 8-bit
+# ones quantize them on store with one float32 scale per token and K/V head (minfer.attention.kv_quant).
+# "fp8" is vLLM's alias of "fp8_e4m3".
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+QUANTIZED_KV_CACHE_DTYPES = ("int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def torch_dtype(name: str):
@@ -212,7 +217,11 @@ class EngineArgs:
         quantization: weight quantization, None or one of "int8", "int4", "gguf" (`minfer.quantization`).
         quantization_config: the method's settings, a dict or a JSON object string ({"group_size": 64} for
             int4); parsed into a dict here.
-        tensor_parallel_size, pipeline_parallel_size, kv_cache_dtype: later chapters.
+        kv_cache_dtype: how the paged pool stores K/V (vLLM's names): "auto" (the model's dtype), "float32",
+            "bfloat16", "float16", or quantized on store with a float32 scale per token and K/V head: "int8",
+            "fp8" (= "fp8_e4m3") or "fp8_e5m2" (chapter 5, `minfer.attention.kv_quant`). The Triton backend
+            reads only an unquantized pool.
+        tensor_parallel_size, pipeline_parallel_size: later chapters.
         speculative_config: None, or vLLM's dict `{"method": "ngram" | "draft_model", "num_speculative_tokens":
             k, ...}` (a JSON string is accepted); parsed into `SpeculativeConfig` (chapter 7b).
     """
@@ -296,8 +305,14 @@ class EngineArgs:
         if self.pipeline_parallel_size != 1:
             raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} {_NOT_BUILT}")
         self.quantization_config = parse_quantization_config(self.quantization, self.quantization_config)
-        if self.kv_cache_dtype not in ("auto",):
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} {_NOT_BUILT}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise bad("kv_cache_dtype", "one of " + ", ".join(map(repr, KV_CACHE_DTYPES)))
+        if self.attention_backend == "triton" and self.kv_cache_dtype in QUANTIZED_KV_CACHE_DTYPES:
+            raise ValueError(f"attention_backend='triton' reads an unquantized KV pool only; kv_cache_dtype="
+                             f"{self.kv_cache_dtype!r} runs with attention_backend='torch', 'cpu' or 'auto'")
+        if (self.attention_backend == "cpu" and self.kv_cache_dtype in ("bfloat16", "float16")):
+            raise ValueError(f"attention_backend='cpu' reads a float32, int8 or fp8 KV pool; got kv_cache_dtype="
+                             f"{self.kv_cache_dtype!r} (use attention_backend='auto' or 'torch' for it)")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         if self.device is not None:  # checked here, not left to torch's AssertionError deep inside loading

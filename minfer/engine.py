@@ -126,8 +126,8 @@ class LLMEngine:
         if self.device.type == "cuda":
             self.executor.profile_forward(min(mnbt, max_len))
         num_blocks = determine_num_blocks(cfg, args.block_size, worker.dtype, self.device, args.kv_cache_memory_bytes,
-                                          args.gpu_memory_utilization, max_len)
-        per_block = bytes_per_block(cfg, args.block_size, worker.dtype)
+                                          args.gpu_memory_utilization, max_len, args.kv_cache_dtype)
+        per_block = bytes_per_block(cfg, args.block_size, worker.dtype, args.kv_cache_dtype)
         num_cpu_blocks = int(args.swap_space * (1 << 30)) // per_block
         ram = physical_memory_bytes()
         if args.swap_space * (1 << 30) > ram:

@@ -76,10 +76,12 @@ class Worker:
         """Allocate the pool (and swap space), and choose the attention backend and the sampler for it.
 
         Raises:
-            ValueError: attention_backend="cpu" where its kernel cannot run.
+            ValueError: attention_backend="cpu" where its kernel cannot run, or "triton" over a quantized pool.
         """
-        self.pool = KVCachePool(self.config, num_blocks, self.block_size, self.dtype, self.device, num_cpu_blocks)
-        self.backend = get_attn_backend(self.args.attention_backend, self.pool.layers)
+        self.pool = KVCachePool(self.config, num_blocks, self.block_size, self.dtype, self.device, num_cpu_blocks,
+                                self.args.kv_cache_dtype)
+        self.backend = get_attn_backend(self.args.attention_backend, self.pool.layers, self.pool.scales,
+                                        self.pool.spec, self.dtype)
         if self.args.attention_backend == "triton":
             from minfer.kernels.sampler import TritonSampler
 
