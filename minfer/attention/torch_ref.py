@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from minfer.attention.base import Attention, AttentionBackend, ForwardContext
-from minfer.attention.kv_quant import KVCacheSpec, dequantize_kv, quantize_kv, raw
+from minfer.attention.kv_quant import SCALE_DTYPE, KVCacheSpec, dequantize_kv, kv_cache_spec, quantize_kv, raw
 
 
 def visibility_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -57,33 +57,52 @@ class ContiguousBackend(AttentionBackend):
     Prefill writes rows [0, T) and attends causally; each decode step writes row `start_pos` and attends
     to rows [0, start_pos]. Allocated once, so decode does no per-token allocation.
 
+    `kv_cache_dtype` (`minfer.attention.kv_quant`): "auto" keeps K/V in `dtype`; a quantized one stores codes
+    and per-token, per-head scales `[2, max_len, KVH]` and attends to their dequantized values (the prompt
+    too), exactly as the paged backends do, so this stays the oracle of a quantized engine.
+
     Raises (at `store_kv`): ValueError when a forward would write past `max_len`.
     """
 
     name = "contiguous"
 
     def __init__(self, num_layers: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype, device: torch.device | str = "cpu", kv_cache_dtype: str = "auto"):
+        self.spec = kv_cache_spec(kv_cache_dtype, dtype)
         shape = (max_len, num_kv_heads, head_dim)
-        super().__init__([torch.zeros((2, *shape), dtype=dtype, device=device) for _ in range(num_layers)])
+        scales = ([torch.zeros((2, max_len, num_kv_heads), dtype=SCALE_DTYPE, device=device) for _ in range(num_layers)]
+                  if self.spec.quantized else None)
+        super().__init__([torch.zeros((2, *shape), dtype=self.spec.dtype, device=device) for _ in range(num_layers)],
+                         scales)
         self.max_len = max_len
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.kv_caches)
+        return sum(t.numel() * t.element_size() for t in self.kv_caches + (self.kv_scales or []))
 
     def store_kv(self, layer: Attention, k, v, ctx: ForwardContext) -> None:
         start, end = ctx.start_pos, ctx.start_pos + k.shape[0]
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} tokens; this forward needs {end}")
         kv = self.kv_caches[layer.layer_idx]
-        kv[0, start:end] = k
-        kv[1, start:end] = v
+        if self.kv_scales is None:
+            kv[0, start:end] = k
+            kv[1, start:end] = v
+            return
+        sc = self.kv_scales[layer.layer_idx]
+        for i, x in enumerate((k, v)):
+            codes, scale = quantize_kv(x, self.spec)
+            raw(kv[i])[start:end] = raw(codes)
+            sc[i, start:end] = scale
 
     def attend(self, layer: Attention, q, k, v, ctx: ForwardContext) -> torch.Tensor:
         end = ctx.start_pos + q.shape[0]
         kv = self.kv_caches[layer.layer_idx]
-        return attend(layer, q, kv[0, :end], kv[1, :end])
+        if self.kv_scales is None:
+            return attend(layer, q, kv[0, :end].to(q.dtype), kv[1, :end].to(q.dtype))
+        sc = self.kv_scales[layer.layer_idx]
+        return attend(layer, q, dequantize_kv(kv[0, :end], sc[0, :end], q.dtype),
+                      dequantize_kv(kv[1, :end], sc[1, :end], q.dtype))
 
 
 @dataclass
