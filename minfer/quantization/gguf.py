@@ -29,10 +29,11 @@ Two routes, each exact up to a stated rounding:
 
 The codes and scales are read from the blocks' bytes (the scales) and from gguf's own dequantization (the
 codes: q = round(w / s), exact because w = q s was computed in float32 from a small integer q). A layer
-whose
-parts mix the two routes (none in SmolLM2's or Gemma 3's files), other tensor types (F32, F16, ...) and the
-tied LM head are expanded to float32 and run by the fallback layout; SmolLM2-135M's Q4_1 file stores its
-embedding/head as Q8_0.
+whose parts mix the two routes (none in SmolLM2's or Gemma 3's files) and other tensor types (F32, F16,
+...) are expanded to float32 and run by the fallback layout. A tied LM head in a 4-bit type stays float (the
+embedding reads its rows); one in Q8_0 (SmolLM2-135M's Q4_1 file and Gemma 3's store their embedding/head so)
+stays int8 codes: the embedding expands only the rows it looks up, and the head's product always takes the
+kernel (measured faster than float32 sgemm there, chapter 5 §5.3).
 
 The loader (`minfer.model.loader`) hands these tensors over as their raw bytes, `uint8 [out, bytes]` tagged
 with `ggml_type`, through `gguf_tensors`.
@@ -157,6 +158,9 @@ def gguf_tensor(block, cfg, unpermute) -> torch.Tensor:
 
     type_name = block.tensor_type.name
     is_linear = block.name.startswith("model.layers.") and block.name.endswith("_proj.weight")
+    # The head (or the tied embedding, which the loader hands to the head) in an int8-group type stays raw too.
+    is_linear |= type_name in INT8_GROUP_TYPES and (block.name == "lm_head.weight" or (
+        block.name == "model.embed_tokens.weight" and cfg.tie_word_embeddings))
     heads = cfg.num_attention_heads if ".q_proj." in block.name else cfg.num_key_value_heads
     if type_name in NATIVE_TYPES and is_linear:
         raw = torch.from_numpy(np.array(block.data, dtype=np.uint8)).reshape(block.shape[0], -1)
@@ -221,7 +225,8 @@ class GGUFLinearMethod(LinearMethodBase):
             self.int4.store(layer, codes, s.to(torch.bfloat16), z.to(torch.bfloat16))
             layer.quantized, layer.gguf_route = True, "int4"
             return
-        if types <= set(INT8_GROUP_TYPES) and not layer.keep_rows:
+        layer.weight_dtype = layer.weight.dtype  # the model's dtype (the placeholder was built in it)
+        if types <= set(INT8_GROUP_TYPES):  # the tied head too: the embedding reads its rows (weight_rows)
             decoded = [decode_int8_group_blocks(p, p.ggml_type) for p in parts]
             g = min(c.shape[1] // sc.shape[1] for c, sc in decoded)  # merged parts share the smallest group
             scales = [sc.repeat_interleave(c.shape[1] // sc.shape[1] // g, dim=1) for c, sc in decoded]
@@ -229,6 +234,7 @@ class GGUFLinearMethod(LinearMethodBase):
             store(layer, "qweight", torch.cat([c for c, _ in decoded], dim=0).contiguous())
             store(layer, "scales", torch.cat(scales, dim=0).contiguous())
             layer.quantized, layer.gguf_route = True, "int8_group"
+            layer.model_dtype = layer.weight_dtype
             return
         floats = [p.float() if not hasattr(p, "ggml_type") else _dequantize_raw(p) for p in parts]
         dtype = layer.weight.dtype  # the model's dtype (the placeholder was built in it)
@@ -240,7 +246,9 @@ class GGUFLinearMethod(LinearMethodBase):
             return (self.int4 if layer.quantized else self.fallback).apply(layer, x)
         x2 = x.reshape(-1, layer.in_features)
         y = None
-        if x2.device.type == "cpu" and x2.shape[0] <= self.kernel_max_rows:
+        # The tied head always takes the kernel: expanding its 49,152 x 576 codes per call costs more than
+        # the kernel at any batch (measured), and one code path for every batch keeps its logits batch-invariant.
+        if x2.device.type == "cpu" and (x2.shape[0] <= self.kernel_max_rows or layer.keep_rows):
             try:
                 y = int8_group_matmul(x2, layer.qweight, layer.scales).to(x.dtype)
             except Int8GroupKernelUnavailable:
@@ -252,8 +260,8 @@ class GGUFLinearMethod(LinearMethodBase):
         return y.view(*x.shape[:-1], layer.out_features)
 
     def weight_rows(self, layer, ids: torch.Tensor) -> torch.Tensor:
-        if layer.gguf_route == "int8_group":
-            return dequantize_int8_group(layer.qweight, layer.scales)[ids]
+        if layer.gguf_route == "int8_group":  # only the rows asked for are expanded
+            return dequantize_int8_group(layer.qweight[ids], layer.scales[ids]).to(layer.model_dtype)
         return (self.int4 if layer.quantized else self.fallback).weight_rows(layer, ids)
 
 

@@ -5,8 +5,8 @@ place (chapter 5): the layout GGUF's Q8_0, Q5_0 and Q6_K blocks decode into exac
 
 torch's `_weight_int8pack_mm` takes one scale per output row, not one per group, so it cannot run these
 blocks without re-quantizing them (a second rounding); `csrc/int8_group_cpu.cpp` does the group scales itself:
-the codes become floats in registers, 32 products are summed and multiplied once by the group's scale,
-each weight row is read once for all rows of the batch. float32 activations in, float32 out: the product is
+each weight row is read once, turned into floats in L1 (code x its group's scale) and dotted with every
+row of the batch. float32 activations in, float32 out: the product is
 gguf's own dequantization times x, up to the order of the sums. Built like the decode-attention kernel
 (`minfer.attention.cpu`: torch's extension builder, `-march=native`, one build per kind of CPU, so an
 AVX-512 machine and an AVX2-only one each get code for their own instructions), called through ctypes.
@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("csrc") / "int8_group_cpu.cpp"
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+# No -ffast-math: the sums keep their order, so a row gives the same bits at any batch size.
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 GROUP_SIZES = (16, 32)
 
 

@@ -5,28 +5,35 @@
 //   W[n, B g + j] = d[n, g] * qs[n, B g + j]      qs int8, d one scale per group of B weights
 //
 // The weight stays 1 byte per element (plus 4 bytes of scale per group: 1.125 bytes/weight at B = 32) and is
-// turned into floats only in registers: per group, the B products q * x are summed in float32 and multiplied
-// once by the group's scale. The activations stay float32 (no activation quantization, unlike llama.cpp's
+// turned into floats only in L1 (one row at a time). The activations stay float32 (no activation quantization, unlike llama.cpp's
 // Q8_0 x Q8_0 dot), so the result is gguf's own dequantization times x, up to the order of the sums.
 //
 // Layout contract (checked on the Python side, minfer/quantization/gguf.py):
 //   out float32 [T, N]; x float32 [T, K]; qs int8 [N, K]; d float32 [N, K / B]; all contiguous, K % B == 0,
 //   B = 16 or 32.
 //
-// Work split: OpenMP over tiles of output rows n; within a tile, each weight row is read once for all T
-// activation rows (it stays in L1: K bytes), so at batch 64 a weight byte crosses the memory bus once, not 64
-// times. Built with -march=native for the machine it runs on (AVX2 or AVX-512: the compiler vectorizes the
-// int8 -> float convert and the fused multiply-adds of the inner loop).
+// Work split: OpenMP over output rows n; each weight row is read from memory once, turned into K floats
+// (d * q, exact: an 8-bit integer times a float32 scale), and dotted with all T activation rows while it is
+// in L1, so at batch 64 a weight byte crosses the memory bus once, not 64 times. Built with -march=native
+// for the machine it runs on (AVX2 or AVX-512: the compiler vectorizes the int8 -> float convert and the
+// 16-lane multiply-adds), without -ffast-math, so that the compiler keeps the order of the sums fixed.
 
 #include <omp.h>
 
 #include <cstdint>
+#include <vector>
 
-template <int64_t kBlock>
-static inline float block_dot(const int8_t* q, const float* x) {
+constexpr int64_t kLanes = 16;  // independent partial sums per dot product (K is a multiple of 16)
+
+// sum_k w[k] x[k] with kLanes partial sums added in a fixed order: the same code for every row of every
+// batch, so a row's result does not depend on how many rows share the call (batch invariance).
+static inline float dot(const float* w, const float* x, int64_t K) {
+  float acc[kLanes] = {0.f};
+  for (int64_t k0 = 0; k0 < K; k0 += kLanes)
+#pragma omp simd
+    for (int64_t j = 0; j < kLanes; ++j) acc[j] += w[k0 + j] * x[k0 + j];
   float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t j = 0; j < kBlock; ++j) s += (float)q[j] * x[j];
+  for (int64_t j = 0; j < kLanes; ++j) s += acc[j];
   return s;
 }
 
@@ -34,19 +41,19 @@ template <int64_t kBlock>
 static void matmul(float* out, const float* x, const int8_t* qs, const float* d, int64_t T, int64_t N, int64_t K,
                    int num_threads) {
   const int64_t G = K / kBlock;
-  constexpr int64_t kTile = 16;  // output rows per work item
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-  for (int64_t n0 = 0; n0 < N; n0 += kTile) {
-    const int64_t n1 = n0 + kTile < N ? n0 + kTile : N;
-    for (int64_t n = n0; n < n1; ++n) {
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<float> w(K);  // one weight row in floats: K * 4 bytes, stays in L1/L2 for all T rows
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
       const int8_t* qn = qs + n * K;
       const float* dn = d + n * G;
-      for (int64_t t = 0; t < T; ++t) {
-        const float* xt = x + t * K;
-        float acc = 0.f;
-        for (int64_t g = 0; g < G; ++g) acc += dn[g] * block_dot<kBlock>(qn + g * kBlock, xt + g * kBlock);
-        out[t * N + n] = acc;
+      for (int64_t g = 0; g < G; ++g) {
+        const float dg = dn[g];
+#pragma omp simd
+        for (int64_t j = 0; j < kBlock; ++j) w[g * kBlock + j] = dg * (float)qn[g * kBlock + j];
       }
+      for (int64_t t = 0; t < T; ++t) out[t * N + n] = dot(w.data(), x + t * K, K);
     }
   }
 }
