@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-DTYPES = ["auto", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2"]
+DTYPES = ["auto", "int8", "fp8_e4m3", "fp8_e5m2", "bfloat16"]
 BUDGET = 256 << 20
 
 
@@ -101,6 +101,10 @@ def main() -> None:
         results[name] = row
         print(name, json.dumps(row), flush=True)
         del llm, eng, gen
+        write(args, results, n_prompts, n_tokens)  # after each dtype: a cut-short run still leaves its rows
+
+
+def write(args, results: dict, n_prompts: int, n_tokens: int) -> None:
     auto = results["auto"]
     for row in results.values():
         row["tokens_vs_auto"] = row["tokens"] / auto["tokens"]
@@ -117,7 +121,7 @@ def main() -> None:
         "results": results,
     }
     pathlib.Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    print("wrote", args.out)
+    print("wrote", args.out, flush=True)
 
 
 if __name__ == "__main__":
