@@ -179,8 +179,9 @@ ENGINE_CONFIGS = {
     "torch-reference": dict(kv_cache_memory_bytes=64 * MIB, attention_backend="torch"),
     "chunked-prefix": dict(kv_cache_memory_bytes=64 * MIB, enable_chunked_prefill=True, max_num_batched_tokens=32,
                            enable_prefix_caching=True, max_num_seqs=4),
-    # 24 blocks of 16 (384 token slots) for 8 sequences of ~60-70 tokens: preempted by swap and resumed
-    "preempt-swap": dict(max_model_len=256, kv_cache_memory_bytes=24 * 16 * 30 * 3 * 68 * 2, swap_space=0.02),
+    # 17 blocks of 16 (272 token slots, as tests/test_engine.py's preemption configs) for 8 sequences of
+    # 50-70 tokens: preempted by swap and resumed
+    "preempt-swap": dict(max_model_len=256, kv_cache_memory_bytes=17 * 16 * 30 * 3 * 68 * 2, swap_space=0.02),
 }
 CONFIGS_PER_DTYPE = {"int8": list(ENGINE_CONFIGS), "fp8": ["default", "preempt-swap"]}
 
