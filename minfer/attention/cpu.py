@@ -11,7 +11,8 @@ and calls it through `ctypes` with the tensors' data pointers, so the C++ needs 
 in about a second.
 
 `CpuPagedBackend` is `minfer.attention.torch_ref.PagedTorchBackend` with the decode part replaced; prefill is
-unchanged. The engine uses it by default for float32 on the CPU when the kernel builds (`attention_backend="auto"`), and falls
+unchanged. It also reads a quantized pool (`kv_cache_dtype` int8 / fp8, `minfer.attention.kv_quant`): the
+codes in place, with their per-token scales (`minfer_paged_decode_q8`). The engine uses it by default for float32 on the CPU when the kernel builds (`attention_backend="auto"`), and falls
 back to the torch reference, with one warning, when it does not (no C++ compiler, no ninja, a platform
 whose compiler lacks OpenMP). `MINFER_CPU_KERNELS=0` turns it off.
 """
