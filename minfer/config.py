@@ -25,6 +25,11 @@ DTYPES = {
     "int4": (None, 0.5),
 }
 MODEL_DTYPES = tuple(n for n, (t, _) in DTYPES.items() if t in ("float32", "float16", "bfloat16"))
+# `kv_cache_dtype` (vLLM's names): "auto" stores K/V in the model's dtype; a float name casts them; the 8-bit
+# ones quantize them on store with one float32 scale per token and K/V head (minfer.attention.kv_quant).
+# "fp8" is vLLM's alias of "fp8_e4m3".
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+QUANTIZED_KV_CACHE_DTYPES = ("int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def torch_dtype(name: str):
@@ -226,7 +231,10 @@ class EngineArgs:
             `torchrun --nproc-per-node N [--nnodes ...]`, which runs the same command; rank 0 is the engine).
         pipeline_micro_batches: micro-batches a step's rows are cut into for the pipeline (minfer's knob,
             not vLLM's); None = one per stage. More shrink the bubble, (p - 1) / (m + p - 1).
-        kv_cache_dtype: a later chapter.
+        kv_cache_dtype: how the paged pool stores K/V (vLLM's names): "auto" (the model's dtype), "float32",
+            "bfloat16", "float16", or quantized on store with a float32 scale per token and K/V head: "int8",
+            "fp8" (= "fp8_e4m3") or "fp8_e5m2" (chapter 5, `minfer.attention.kv_quant`). The Triton backend
+            reads only an unquantized pool.
         data_parallel_size: whole-model replicas (engine processes) behind the server's router
             (`minfer.serve.router`, chapter 12b), an integer >= 1; one `LLMEngine` is one replica and
             refuses > 1, so it is only the server that runs N (`python -m minfer.serve --data-parallel-size N`).
@@ -333,8 +341,14 @@ class EngineArgs:
         if self.world_size > 1 and self.quantization == "gguf":
             raise ValueError("quantization='gguf' keeps the file's Q4 blocks whole and cannot be split over ranks "
                              "yet; with tensor or pipeline parallelism use int8 or int4 (or no quantization)")
-        if self.kv_cache_dtype not in ("auto",):
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} {_NOT_BUILT}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise bad("kv_cache_dtype", "one of " + ", ".join(map(repr, KV_CACHE_DTYPES)))
+        if self.attention_backend == "triton" and self.kv_cache_dtype in QUANTIZED_KV_CACHE_DTYPES:
+            raise ValueError(f"attention_backend='triton' reads an unquantized KV pool only; kv_cache_dtype="
+                             f"{self.kv_cache_dtype!r} runs with attention_backend='torch', 'cpu' or 'auto'")
+        if (self.attention_backend == "cpu" and self.kv_cache_dtype in ("bfloat16", "float16")):
+            raise ValueError(f"attention_backend='cpu' reads a float32, int8 or fp8 KV pool; got kv_cache_dtype="
+                             f"{self.kv_cache_dtype!r} (use attention_backend='auto' or 'torch' for it)")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
             if self.world_size > 1 and self.speculative_config.method == "draft_model":

@@ -135,8 +135,9 @@ class LLMEngine:
         layout = hybrid_layout(cfg)
         pool_cfg = cfg if layout is None else layout.pool_config(cfg)
         num_blocks = determine_num_blocks(pool_cfg, args.block_size, worker.dtype, self.device,
-                                          args.kv_cache_memory_bytes, args.gpu_memory_utilization, max_len)
-        per_block = bytes_per_block(pool_cfg, args.block_size, worker.dtype)
+                                          args.kv_cache_memory_bytes, args.gpu_memory_utilization, max_len,
+                                          args.kv_cache_dtype)
+        per_block = bytes_per_block(pool_cfg, args.block_size, worker.dtype, args.kv_cache_dtype)
         if layout is not None and num_blocks < layout.max_blocks_per_seq(max_len, args.block_size, mnbt):
             need = layout.max_blocks_per_seq(max_len, args.block_size, mnbt)
             raise ValueError(f"the KV pool has room for {num_blocks} blocks, but one sequence of max_model_len="

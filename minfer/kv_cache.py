@@ -2,22 +2,28 @@
 
 Per layer the pool is a tensor `[2, num_blocks, block_size, num_kv_heads, head_dim]` (K and V), allocated
 once at start-up; the block manager hands out block ids and the attention backend reads and writes slots.
+A quantized pool (`kv_cache_dtype` "int8"/"fp8*", `minfer.attention.kv_quant`) holds 8-bit codes there and,
+beside them, float32 scales `[2, num_blocks, block_size, num_kv_heads]` per layer: every block copy (swap
+out, swap in, copy-on-write) moves a block's codes and its scales together.
 """
 
 from __future__ import annotations
 
 import torch
 
+from minfer.attention.kv_quant import SCALE_DTYPE, KVCacheSpec, kv_cache_spec, raw
 from minfer.config import ModelConfig
-from minfer.memory import human_bytes, physical_memory_bytes
+from minfer.memory import human_bytes, kv_cache_bytes, physical_memory_bytes
 
 CPU_DEFAULT_KV_BYTES = 1 << 30  # on a CPU, 1 GiB of KV unless kv_cache_memory_bytes says otherwise
 
 
-def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers: layers x 2 x block_size x kv_heads x head_dim x elem."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return cfg.num_hidden_layers * 2 * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """Bytes one block takes across all layers: layers x 2 x block_size x kv_heads x (head_dim x elem + scale)
+    (`memory.kv_cache_bytes`), for a model computing in `dtype` with the pool of `kv_cache_dtype`."""
+    spec = kv_cache_spec(kv_cache_dtype, dtype)
+    return kv_cache_bytes(cfg.num_hidden_layers, 1, block_size, cfg.num_key_value_heads, cfg.head_dim, spec.dtype,
+                          spec.scale_bytes)
 
 
 def own_memory_in_use(device: torch.device) -> int:
@@ -27,8 +33,8 @@ def own_memory_in_use(device: torch.device) -> int:
 
 def determine_num_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,
                          kv_cache_memory_bytes: int | None, gpu_memory_utilization: float,
-                         max_model_len: int) -> int:
-    """How many blocks the pool gets.
+                         max_model_len: int, kv_cache_dtype: str = "auto") -> int:
+    """How many blocks the pool gets (a quantized `kv_cache_dtype` fits more of them in the same bytes).
 
     - `kv_cache_memory_bytes` given: that many bytes, on any device.
     - CUDA: `gpu_memory_utilization x total - what this process already holds` (weights plus the peak of a
@@ -40,7 +46,7 @@ def determine_num_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype, 
         ValueError: the pool cannot hold one sequence of `max_model_len` tokens (states the numbers and the
             option to change).
     """
-    per_block = bytes_per_block(cfg, block_size, dtype)
+    per_block = bytes_per_block(cfg, block_size, dtype, kv_cache_dtype)
     if kv_cache_memory_bytes is not None:
         budget, knob = int(kv_cache_memory_bytes), "kv_cache_memory_bytes"
     elif device.type == "cuda":
@@ -67,23 +73,44 @@ def determine_num_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype, 
 
 
 class KVCachePool:
-    """The device KV tensors and the CPU swap tensors, with block copies between them."""
+    """The device KV tensors and the CPU swap tensors, with block copies between them.
+
+    Attributes:
+        layers: per layer `[2, num_blocks, block_size, KVH, D]` of `spec.dtype` (K and V).
+        scales: per layer float32 `[2, num_blocks, block_size, KVH]` for a quantized pool, else None.
+        cpu_layers, cpu_scales: the same for the swap space (`num_cpu_blocks` blocks).
+        spec: the `KVCacheSpec` of `kv_cache_dtype` ("auto": the model's `dtype`).
+    """
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, num_cpu_blocks: int = 0):
-        shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+                 device: torch.device, num_cpu_blocks: int = 0, kv_cache_dtype: str = "auto"):
+        self.spec: KVCacheSpec = kv_cache_spec(kv_cache_dtype, dtype)
+        n, store = cfg.num_hidden_layers, self.spec.dtype
+        heads = (block_size, cfg.num_key_value_heads)
+        pin = device.type == "cuda"
         # Zeroed, not torch.empty: attention masks unused slots of a partly filled block with -inf, but a
         # probability of 0 times a NaN left in uninitialised memory is still NaN.
-        self.layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
-        cpu_shape = (2, num_cpu_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        pin = device.type == "cuda"
-        self.cpu_layers = ([torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin) for _ in range(cfg.num_hidden_layers)]
-                           if num_cpu_blocks else [])
+        self.layers = [torch.zeros((2, num_blocks, *heads, cfg.head_dim), dtype=store, device=device) for _ in range(n)]
+        self.cpu_layers = ([torch.zeros((2, num_cpu_blocks, *heads, cfg.head_dim), dtype=store, pin_memory=pin)
+                            for _ in range(n)] if num_cpu_blocks else [])
+        self.scales = self.cpu_scales = None
+        if self.spec.quantized:
+            self.scales = [torch.zeros((2, num_blocks, *heads), dtype=SCALE_DTYPE, device=device) for _ in range(n)]
+            self.cpu_scales = ([torch.zeros((2, num_cpu_blocks, *heads), dtype=SCALE_DTYPE, pin_memory=pin)
+                                for _ in range(n)] if num_cpu_blocks else [])
         self.num_blocks, self.block_size, self.num_cpu_blocks = num_blocks, block_size, num_cpu_blocks
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.layers)
+        """Device bytes of the pool: codes (or K/V) plus scales."""
+        return sum(t.numel() * t.element_size() for t in self.layers + (self.scales or []))
+
+    def _pairs(self):
+        """(device tensor, cpu tensor) of every layer's K/V (as raw bytes when 1-byte) and of its scales."""
+        pairs = [(raw(d), raw(c)) for d, c in zip(self.layers, self.cpu_layers)]
+        if self.scales is not None:
+            pairs += list(zip(self.scales, self.cpu_scales))
+        return pairs
 
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
         """Copy device blocks to CPU blocks: mapping of (device block, cpu block)."""
@@ -91,7 +118,7 @@ class KVCachePool:
             return
         src = torch.tensor([m[0] for m in mapping], device=self.layers[0].device)
         dst = torch.tensor([m[1] for m in mapping])
-        for dev, cpu in zip(self.layers, self.cpu_layers):
+        for dev, cpu in self._pairs():
             cpu[:, dst] = dev[:, src].to("cpu")
 
     def swap_in(self, mapping: list[tuple[int, int]]) -> None:
@@ -100,7 +127,7 @@ class KVCachePool:
             return
         src = torch.tensor([m[0] for m in mapping])
         dst = torch.tensor([m[1] for m in mapping], device=self.layers[0].device)
-        for dev, cpu in zip(self.layers, self.cpu_layers):
+        for dev, cpu in self._pairs():
             dev[:, dst] = cpu[:, src].to(dev.device)
 
     def copy_blocks(self, mapping: list[tuple[int, int]]) -> None:
@@ -111,5 +138,5 @@ class KVCachePool:
         dev = self.layers[0].device
         src = torch.tensor([m[0] for m in mapping], device=dev)
         dst = torch.tensor([m[1] for m in mapping], device=dev)
-        for layer in self.layers:
+        for layer in [raw(t) for t in self.layers] + (self.scales or []):
             layer[:, dst] = layer[:, src]

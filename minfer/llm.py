@@ -151,7 +151,8 @@ class LLM:
                              "pipeline_parallel_size > 1 use generate()")
         if self._simple is None:
             worker = engine.worker
-            self._simple = SimpleGenerator(worker.model, Sampler(worker.generator), OutputProcessor(self.tokenizer))
+            self._simple = SimpleGenerator(worker.model, Sampler(worker.generator), OutputProcessor(self.tokenizer),
+                                           kv_cache_dtype=engine.args.kv_cache_dtype)
         outs, timings = [], []
         for i in range(params.n):
             seq = Sequence("simple", i, ids, params, engine.max_model_len)

@@ -30,13 +30,15 @@ def dtype_bytes(dtype: str | torch.dtype) -> float:
 
 
 def kv_cache_bytes(num_layers: int, batch: int, seq_len: int, num_kv_heads: int, head_dim: int,
-                   dtype: str | torch.dtype = "float16") -> int:
-    """KV cache size in bytes: layers x batch x seq_len x kv_heads x head_dim x 2 x bytes_per_element.
+                   dtype: str | torch.dtype = "float16", scale_bytes: int = 0) -> int:
+    """KV cache size in bytes: layers x batch x seq_len x kv_heads x (head_dim x bytes_per_element + scale_bytes) x 2.
 
     Args:
         num_layers: decoder layers. batch: sequences. seq_len: tokens per sequence (prompt + output).
         num_kv_heads: key/value heads (GQA/MQA: fewer than query heads). head_dim: per-head width.
         dtype: element type of the cache (torch dtype or name).
+        scale_bytes: bytes stored beside each token's head vector (a quantized cache's scale: 4 for minfer's
+            float32 per-token, per-head scales, `minfer.attention.kv_quant`; 0 for a float cache).
 
     Returns:
         bytes (int).
@@ -48,12 +50,15 @@ def kv_cache_bytes(num_layers: int, batch: int, seq_len: int, num_kv_heads: int,
                         num_kv_heads=num_kv_heads, head_dim=head_dim).items():
         if not isinstance(v, int) or v < 0:
             raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
-    return int(num_layers * batch * seq_len * num_kv_heads * head_dim * 2 * dtype_bytes(dtype))
+    if not isinstance(scale_bytes, int) or scale_bytes < 0:
+        raise ValueError(f"scale_bytes must be a non-negative integer, got {scale_bytes!r}")
+    return int(num_layers * batch * seq_len * num_kv_heads * (head_dim * dtype_bytes(dtype) + scale_bytes) * 2)
 
 
-def kv_bytes_per_token(config, dtype: str | torch.dtype = "float16") -> int:
+def kv_bytes_per_token(config, dtype: str | torch.dtype = "float16", scale_bytes: int = 0) -> int:
     """KV bytes one token occupies across all layers, for a model config (HF-style attribute names)."""
-    return kv_cache_bytes(config.num_hidden_layers, 1, 1, config.num_key_value_heads, config.head_dim, dtype)
+    return kv_cache_bytes(config.num_hidden_layers, 1, 1, config.num_key_value_heads, config.head_dim, dtype,
+                          scale_bytes)
 
 
 @dataclass(frozen=True)

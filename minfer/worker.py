@@ -107,18 +107,24 @@ class Worker:
         """Allocate the pool (and swap space), and choose the attention backend and the sampler for it.
 
         Raises:
-            ValueError: attention_backend="cpu" where its kernel cannot run.
+            ValueError: attention_backend="cpu" where its kernel cannot run, or "triton" over a quantized pool.
         """
         # A model mixing sliding-window and full layers gets a hybrid KV cache: one block table per layer group
         # over `group_size` shared tensors (minfer/kv_cache_groups.py); others one tensor per layer. `kv_config`
-        # is this rank's share of the layers and KV heads (tensor/pipeline parallelism, chapter 12).
+        # is this rank's share of the layers and KV heads (tensor/pipeline parallelism, chapter 12). A quantized
+        # pool (chapter 5) has a scale tensor beside each K/V tensor, mapped to the layers the same way.
         self.kv_layout = layout = hybrid_layout(self.config)
         pool_cfg = self.kv_config if layout is None else layout.pool_config(self.kv_config)
-        self.pool = KVCachePool(pool_cfg, num_blocks, self.block_size, self.dtype, self.device, num_cpu_blocks)
+        self.pool = KVCachePool(pool_cfg, num_blocks, self.block_size, self.dtype, self.device, num_cpu_blocks,
+                                self.args.kv_cache_dtype)
+        scales = self.pool.scales
         if layout is None:
-            self.backend = get_attn_backend(self.args.attention_backend, self.pool.layers)
+            self.backend = get_attn_backend(self.args.attention_backend, self.pool.layers, scales,
+                                            self.pool.spec, self.dtype)
         else:
-            inner = get_attn_backend(self.args.attention_backend, layout.layer_caches(self.pool.layers))
+            inner = get_attn_backend(self.args.attention_backend, layout.layer_caches(self.pool.layers),
+                                     None if scales is None else layout.layer_caches(scales), self.pool.spec,
+                                     self.dtype)
             self.backend = GroupedBackend(inner, layout)
         if self.args.attention_backend == "triton":
             from minfer.kernels.sampler import TritonSampler

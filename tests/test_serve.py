@@ -86,7 +86,7 @@ def _metrics(url: str) -> dict[str, float]:
     (["--tensor-parallel-size", "0"], "tensor_parallel_size"),
     (["--pipeline-parallel-size", "0"], "pipeline_parallel_size"),
     (["--quantization", "awq"], "quantization"),
-    (["--kv-cache-dtype", "fp8"], "kv_cache_dtype"),
+    (["--kv-cache-dtype", "fp4"], "kv_cache_dtype"),
     (["--block-size", "3"], "block_size"),
 ])
 def test_unbuilt_or_bad_flag_stops_startup(flags, needle):

@@ -4,7 +4,8 @@
     torch_ref.py  attend, ContiguousBackend (chapter 1), PagedTorchBackend (chapter 3): the references
     cpu.py        CpuPagedBackend: a C++ decode kernel (csrc/paged_decode_cpu.cpp) over the paged pool
     triton.py     TritonBackend over the Triton kernels of minfer.kernels (chapter 4)
-    selector.py   get_attn_backend(name, kv_caches): "auto", "torch", "cpu", "triton"
+    selector.py   get_attn_backend(name, kv_caches, kv_scales, spec, model_dtype): "auto", "torch", "cpu", "triton"
+    kv_quant.py   kv_cache_dtype: K/V quantized on store to int8 / fp8 with per-token, per-head scales (chapter 5)
 """
 
 from minfer.attention.base import Attention, AttentionBackend, ForwardContext

@@ -102,12 +102,15 @@ class Attention(nn.Module):
 
 class AttentionBackend(abc.ABC):
     """Where K/V live and how attention reads them. `kv_caches[layer]` is the backend's own per-layer store
-    (for the paged backends `[2, num_blocks, block_size, KVH, D]`: K and V)."""
+    (for the paged backends `[2, num_blocks, block_size, KVH, D]`: K and V). A quantized pool
+    (`minfer.attention.kv_quant`) also passes `kv_scales[layer]`, float32 `[2, num_blocks, block_size, KVH]`;
+    None for a float pool."""
 
     name: str = "base"
 
-    def __init__(self, kv_caches: list[torch.Tensor]):
+    def __init__(self, kv_caches: list[torch.Tensor], kv_scales: list[torch.Tensor] | None = None):
         self.kv_caches = kv_caches
+        self.kv_scales = kv_scales
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:

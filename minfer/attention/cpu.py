@@ -11,7 +11,8 @@ and calls it through `ctypes` with the tensors' data pointers, so the C++ needs 
 in about a second.
 
 `CpuPagedBackend` is `minfer.attention.torch_ref.PagedTorchBackend` with the decode part replaced; prefill is
-unchanged. The engine uses it by default for float32 on the CPU when the kernel builds (`attention_backend="auto"`), and falls
+unchanged. It also reads a quantized pool (`kv_cache_dtype` int8 / fp8, `minfer.attention.kv_quant`): the
+codes in place, with their per-token scales (`minfer_paged_decode_q8`). The engine uses it by default for float32 on the CPU when the kernel builds (`attention_backend="auto"`), and falls
 back to the torch reference, with one warning, when it does not (no C++ compiler, no ninja, a platform
 whose compiler lacks OpenMP). `MINFER_CPU_KERNELS=0` turns it off.
 """
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 
 from minfer.attention.base import Attention, ForwardContext
+from minfer.attention.kv_quant import KVCacheSpec, code_table
 from minfer.attention.torch_ref import PagedTorchBackend
 
 logger = logging.getLogger(__name__)
@@ -82,6 +84,10 @@ def _library() -> ctypes.CDLL:
     f.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64, ptr,
                   ctypes.c_int]
     f.restype = None
+    f = lib.minfer_paged_decode_q8
+    f.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64,
+                  ptr, ctypes.c_int]
+    f.restype = None
     return lib
 
 
@@ -114,13 +120,17 @@ def check_block_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, n
 def paged_attention_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                sliding_window: int | None = None, alibi_slopes: torch.Tensor | None = None,
-                               out: torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
+                               out: torch.Tensor | None = None, validate: bool = True,
+                               k_scales: torch.Tensor | None = None,
+                               v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence against its paged context, read in place (no gather).
 
     Args:
         q: float32 `[B, H, D]`, the query of each decoding sequence (position `context_lens[b] - 1`).
         k_cache, v_cache: float32 `[num_blocks, block_size, KVH, D]`, one layer's pool (K/V of this step
-            already stored).
+            already stored); or a quantized pool (`minfer.attention.kv_quant`): int8 / float8_e4m3fn /
+            float8_e5m2 codes of that shape, with `k_scales`, `v_scales` float32 `[num_blocks, block_size, KVH]`
+            (x = code * scale per token and head).
         block_tables: int32 `[B, max_blocks]`; context_lens: int32 `[B]`, keys each sequence sees (>= 1).
         scale: softmax scale (usually D ** -0.5). sliding_window: attend only to the newest W keys.
         alibi_slopes: float32 `[H]` or None (bias -slope * distance, Press et al. 2022).
@@ -142,9 +152,22 @@ def paged_attention_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                          f"{tuple(q.shape)} and {tuple(k_cache.shape)}")
     b, h, d = q.shape
     num_blocks, bs, kvh = k_cache.shape[:3]
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous float32 CPU tensor, got {t.dtype} on {t.device}")
+    quantized = k_cache.dtype in QUANTIZED_CODES
+    if q.dtype != torch.float32 or q.device.type != "cpu" or not q.is_contiguous():
+        raise ValueError(f"q must be a contiguous float32 CPU tensor, got {q.dtype} on {q.device}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype not in (torch.float32, *QUANTIZED_CODES) or t.dtype != k_cache.dtype or t.device.type != "cpu" \
+                or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous CPU tensor, float32 or 8-bit codes "
+                             f"({', '.join(map(str, QUANTIZED_CODES))}) like k_cache, got {t.dtype} on {t.device}")
+    if quantized != (k_scales is not None and v_scales is not None):
+        raise ValueError("k_scales and v_scales go with an 8-bit pool, and only with one: got a "
+                         f"{k_cache.dtype} pool with{'out' if k_scales is None else ''} scales")
+    if quantized:
+        for name, t in (("k_scales", k_scales), ("v_scales", v_scales)):
+            if t.dtype != torch.float32 or t.shape != k_cache.shape[:3] or not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError(f"{name} must be a contiguous float32 CPU tensor of shape {tuple(k_cache.shape[:3])}, "
+                                 f"got {t.dtype} {tuple(t.shape)}")
     if v_cache.shape != k_cache.shape or k_cache.shape[3] != d:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have the same "
                          f"shape, ending in head_dim {d}")
@@ -174,11 +197,25 @@ def paged_attention_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         slopes = alibi_slopes.to(device="cpu", dtype=torch.float32).contiguous()
         if slopes.shape != (h,):
             raise ValueError(f"alibi_slopes must be [{h}], got {tuple(slopes.shape)}")
-    lib.minfer_paged_decode_f32(
-        out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-        context_lens.data_ptr(), b, h, kvh, d, k_cache.shape[1], block_tables.shape[1], scale,
-        sliding_window or 0, slopes.data_ptr() if slopes is not None else None, torch.get_num_threads())
+    common = (block_tables.data_ptr(), context_lens.data_ptr(), b, h, kvh, d, k_cache.shape[1], block_tables.shape[1],
+              scale, sliding_window or 0, slopes.data_ptr() if slopes is not None else None, torch.get_num_threads())
+    if quantized:
+        lut = None if k_cache.dtype == torch.int8 else _code_table(k_cache.dtype)
+        lib.minfer_paged_decode_q8(out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                   k_scales.data_ptr(), v_scales.data_ptr(),
+                                   lut.data_ptr() if lut is not None else None, *common)
+    else:
+        lib.minfer_paged_decode_f32(out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *common)
     return out
+
+
+QUANTIZED_CODES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@functools.cache
+def _code_table(dtype: torch.dtype) -> torch.Tensor:
+    """The fp8 decoding table the kernel reads (kept alive here: the C++ side holds only its pointer)."""
+    return code_table(dtype).contiguous()
 
 
 @dataclass
@@ -191,19 +228,22 @@ class CpuDecodeTables:
 
 
 class CpuPagedBackend(PagedTorchBackend):
-    """`PagedTorchBackend` whose decode part runs the C++ kernel (float32 on the CPU only).
+    """`PagedTorchBackend` whose decode part runs the C++ kernel (a float32 model on the CPU; the pool float32,
+    or int8 / fp8 codes with their scales).
 
-    Raises at construction (CpuKernelUnavailable) when the kernel cannot be built, so the engine can fall
-    back to the torch reference before serving anything.
+    Raises at construction (CpuKernelUnavailable) when the kernel cannot be built or cannot read this pool,
+    so the engine can fall back to the torch reference before serving anything.
     """
 
     name = "cpu"
 
-    def __init__(self, kv_caches: list[torch.Tensor]):
+    def __init__(self, kv_caches: list[torch.Tensor], kv_scales: list[torch.Tensor] | None = None,
+                 spec: KVCacheSpec | None = None):
         _library()
-        if any(c.dtype != torch.float32 or c.device.type != "cpu" for c in kv_caches):
-            raise CpuKernelUnavailable("the CPU kernel handles a float32 KV pool on the CPU only")
-        super().__init__(kv_caches)
+        if any(c.dtype not in (torch.float32, *QUANTIZED_CODES) or c.device.type != "cpu" for c in kv_caches):
+            raise CpuKernelUnavailable(f"the CPU kernel reads a float32, int8 or fp8 KV pool on the CPU; got "
+                                       f"{kv_caches[0].dtype} on {kv_caches[0].device}")
+        super().__init__(kv_caches, kv_scales, spec)
 
     def _decode_plan(self, ctx: ForwardContext) -> CpuDecodeTables:
         p = ctx.num_prefills
@@ -216,5 +256,9 @@ class CpuPagedBackend(PagedTorchBackend):
 
     def _decode(self, layer: Attention, kv, q, ctx: ForwardContext) -> torch.Tensor:
         plan = ctx.attn_metadata.decode
+        if q.dtype != torch.float32:
+            raise ValueError(f"attention_backend='cpu' computes in float32; this model runs in {q.dtype}")
+        sc = self.kv_scales[layer.layer_idx] if self.kv_scales is not None else (None, None)
         return paged_attention_decode_cpu(q.contiguous(), kv[0], kv[1], plan.block_tables, plan.context_lens,
-                                          layer.scale, layer.sliding_window, layer.alibi_slopes, validate=False)
+                                          layer.scale, layer.sliding_window, layer.alibi_slopes, validate=False,
+                                          k_scales=sc[0], v_scales=sc[1])

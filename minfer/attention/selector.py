@@ -3,8 +3,11 @@
     "torch"   PagedTorchBackend   plain torch, any device and dtype (the reference)
     "cpu"     CpuPagedBackend     the C++ decode kernel; float32 on a CPU; an error where it cannot build
     "triton"  TritonBackend       FlashAttention + paged flash-decoding kernels (CUDA, or Triton's interpreter)
-    "auto"    "cpu" for a float32 pool on a CPU when its kernel builds (else "torch", with one warning);
-              "torch" everywhere else
+    "auto"    "cpu" for a float32 model on a CPU whose pool is float32, int8 or fp8, when its kernel builds
+              (else "torch", with one warning); "torch" everywhere else
+
+A quantized pool (`kv_cache_dtype` int8 / fp8, `minfer.attention.kv_quant`) is read by "torch" and "cpu";
+"triton" refuses it with a clear error.
 """
 
 from __future__ import annotations
@@ -19,8 +22,13 @@ from minfer.config import ATTENTION_BACKENDS
 logger = logging.getLogger(__name__)
 
 
-def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """The concrete backend `name` stands for (see the module docstring); does not build anything.
+_CPU_KERNEL_POOLS = (torch.float32, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype,
+                         kv_dtype: torch.dtype | None = None) -> str:
+    """The concrete backend `name` stands for (see the module docstring), for a model computing in `dtype`
+    with a pool of `kv_dtype` (default: `dtype`); does not build anything.
 
     Raises:
         ValueError: an unknown name.
@@ -28,21 +36,30 @@ def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype) ->
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(map(repr, ATTENTION_BACKENDS))}, got {name!r}")
     if name == "auto":
-        return "cpu" if device.type == "cpu" and dtype == torch.float32 else "torch"
+        kv_dtype = dtype if kv_dtype is None else kv_dtype
+        return "cpu" if device.type == "cpu" and dtype == torch.float32 and kv_dtype in _CPU_KERNEL_POOLS else "torch"
     return name
 
 
-def get_attn_backend(name: str, kv_caches: list[torch.Tensor]) -> AttentionBackend:
+def get_attn_backend(name: str, kv_caches: list[torch.Tensor], kv_scales: list[torch.Tensor] | None = None,
+                     spec=None, model_dtype: torch.dtype | None = None) -> AttentionBackend:
     """The backend for `attention_backend=name` over the paged pool `kv_caches` (one
-    `[2, num_blocks, block_size, KVH, D]` tensor per layer).
+    `[2, num_blocks, block_size, KVH, D]` tensor per layer; with a quantized pool also its `kv_scales` and
+    `spec`, a `minfer.attention.kv_quant.KVCacheSpec`), for a model computing in `model_dtype` (default: the
+    pool's dtype).
 
     Raises:
-        ValueError: "cpu" where the C++ kernel cannot run (says why), or an unknown name.
+        ValueError: "cpu" where the C++ kernel cannot run (says why), "triton" over a quantized pool, or an
+            unknown name.
     """
     name_in = name
     pool = kv_caches[0]
-    name = resolve_backend_name(name, pool.device, pool.dtype)
+    name = resolve_backend_name(name, pool.device, model_dtype or pool.dtype, pool.dtype)
     if name == "triton":
+        if kv_scales is not None or (model_dtype is not None and model_dtype != pool.dtype):
+            raise ValueError(f"attention_backend='triton' reads a KV pool of the model's dtype only, not "
+                             f"{pool.dtype}{' codes with scales' if kv_scales is not None else ''}: use "
+                             "kv_cache_dtype='auto', or attention_backend='torch'")
         from minfer.attention.triton import TritonBackend
 
         return TritonBackend(kv_caches)
@@ -50,11 +67,13 @@ def get_attn_backend(name: str, kv_caches: list[torch.Tensor]) -> AttentionBacke
         from minfer.attention.cpu import CpuKernelUnavailable, CpuPagedBackend
 
         try:
-            return CpuPagedBackend(kv_caches)
+            if model_dtype not in (None, torch.float32):
+                raise CpuKernelUnavailable(f"it computes in float32; this model runs in {model_dtype}")
+            return CpuPagedBackend(kv_caches, kv_scales, spec)
         except CpuKernelUnavailable as e:
             if name_in == "cpu":
                 raise ValueError(f"attention_backend='cpu' cannot run here: {e}") from e
             logger.warning("the C++ decode-attention kernel is unavailable (%s); using the torch reference", e)
     from minfer.attention.torch_ref import PagedTorchBackend
 
-    return PagedTorchBackend(kv_caches)
+    return PagedTorchBackend(kv_caches, kv_scales, spec)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from minfer.attention.base import Attention, AttentionBackend, ForwardContext
+from minfer.attention.kv_quant import SCALE_DTYPE, KVCacheSpec, dequantize_kv, kv_cache_spec, quantize_kv, raw
 
 
 def visibility_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -56,33 +57,52 @@ class ContiguousBackend(AttentionBackend):
     Prefill writes rows [0, T) and attends causally; each decode step writes row `start_pos` and attends
     to rows [0, start_pos]. Allocated once, so decode does no per-token allocation.
 
+    `kv_cache_dtype` (`minfer.attention.kv_quant`): "auto" keeps K/V in `dtype`; a quantized one stores codes
+    and per-token, per-head scales `[2, max_len, KVH]` and attends to their dequantized values (the prompt
+    too), exactly as the paged backends do, so this stays the oracle of a quantized engine.
+
     Raises (at `store_kv`): ValueError when a forward would write past `max_len`.
     """
 
     name = "contiguous"
 
     def __init__(self, num_layers: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype, device: torch.device | str = "cpu", kv_cache_dtype: str = "auto"):
+        self.spec = kv_cache_spec(kv_cache_dtype, dtype)
         shape = (max_len, num_kv_heads, head_dim)
-        super().__init__([torch.zeros((2, *shape), dtype=dtype, device=device) for _ in range(num_layers)])
+        scales = ([torch.zeros((2, max_len, num_kv_heads), dtype=SCALE_DTYPE, device=device) for _ in range(num_layers)]
+                  if self.spec.quantized else None)
+        super().__init__([torch.zeros((2, *shape), dtype=self.spec.dtype, device=device) for _ in range(num_layers)],
+                         scales)
         self.max_len = max_len
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.kv_caches)
+        return sum(t.numel() * t.element_size() for t in self.kv_caches + (self.kv_scales or []))
 
     def store_kv(self, layer: Attention, k, v, ctx: ForwardContext) -> None:
         start, end = ctx.start_pos, ctx.start_pos + k.shape[0]
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} tokens; this forward needs {end}")
         kv = self.kv_caches[layer.layer_idx]
-        kv[0, start:end] = k
-        kv[1, start:end] = v
+        if self.kv_scales is None:
+            kv[0, start:end] = k
+            kv[1, start:end] = v
+            return
+        sc = self.kv_scales[layer.layer_idx]
+        for i, x in enumerate((k, v)):
+            codes, scale = quantize_kv(x, self.spec)
+            raw(kv[i])[start:end] = raw(codes)
+            sc[i, start:end] = scale
 
     def attend(self, layer: Attention, q, k, v, ctx: ForwardContext) -> torch.Tensor:
         end = ctx.start_pos + q.shape[0]
         kv = self.kv_caches[layer.layer_idx]
-        return attend(layer, q, kv[0, :end], kv[1, :end])
+        if self.kv_scales is None:
+            return attend(layer, q, kv[0, :end].to(q.dtype), kv[1, :end].to(q.dtype))
+        sc = self.kv_scales[layer.layer_idx]
+        return attend(layer, q, dequantize_kv(kv[0, :end], sc[0, :end], q.dtype),
+                      dequantize_kv(kv[1, :end], sc[1, :end], q.dtype))
 
 
 @dataclass
@@ -113,15 +133,26 @@ class PagedTorchBackend(AttentionBackend):
     - Sequences are sorted by context length and attended in groups of `DECODE_GROUP`: each group is
       padded only to its own longest context, and its gathered K/V are still in the L3 cache when attention
       reads them.
+
+    A quantized pool (`spec.quantized`, with `kv_scales`): `store_kv` quantizes per token and head, the
+    gathers dequantize to the query's dtype, and a fresh prompt attends to the dequantized round trip of its
+    own K/V, the values the pool now holds (so chunking or a cached prefix changes nothing).
+
+    Raises (construction): ValueError when a quantized `spec` comes without `kv_scales` or the other way round.
     """
 
     name = "torch"
     DECODE_GROUP = 8
 
-    def __init__(self, kv_caches: list[torch.Tensor]):
-        super().__init__(kv_caches)
+    def __init__(self, kv_caches: list[torch.Tensor], kv_scales: list[torch.Tensor] | None = None,
+                 spec: KVCacheSpec | None = None):
+        super().__init__(kv_caches, kv_scales)
+        if (spec is not None and spec.quantized) != (kv_scales is not None):
+            raise ValueError("a quantized KV pool needs both its KVCacheSpec and its kv_scales (and a float one neither)")
+        self.spec = spec
         self.block_size = kv_caches[0].shape[2]
         self._workspace: torch.Tensor | None = None  # [2, rows, block_size, KVH, D], grown on demand
+        self._scale_workspace: torch.Tensor | None = None  # [2, rows, block_size, KVH] (quantized pool)
 
     def prepare(self, ctx: ForwardContext) -> PagedMetadata:
         # Host-side offsets, read once per forward rather than once per layer.
@@ -147,8 +178,53 @@ class PagedTorchBackend(AttentionBackend):
         nblk = (length + bs - 1) // bs
         return cache[block_table[:nblk]].flatten(0, 1)[:length]
 
+    @staticmethod
+    def store_quantized(kv_cache: torch.Tensor, kv_scales: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        slot_mapping: torch.Tensor, spec: KVCacheSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantize k/v `[T, KVH, D]` per token and head and write codes and scales at `slot_mapping [T]`.
+        Returns the dequantized k/v (what the pool holds now), in k's dtype."""
+        nb, bs = kv_cache.shape[1], kv_cache.shape[2]
+        flat = raw(kv_cache).view(2, nb * bs, *kv_cache.shape[3:])
+        flat_s = kv_scales.view(2, nb * bs, kv_scales.shape[3])
+        out = []
+        for i, x in enumerate((k, v)):
+            codes, scale = quantize_kv(x, spec)
+            flat[i].index_copy_(0, slot_mapping, raw(codes))
+            flat_s[i].index_copy_(0, slot_mapping, scale)
+            out.append(dequantize_kv(codes, scale, x.dtype))
+        return out[0], out[1]
+
+    def _gather_kv(self, layer: Attention, block_table: torch.Tensor, length: int, dtype: torch.dtype):
+        """One sequence's keys and values `[length, KVH, D]` from the pool, in `dtype` (dequantized or cast)."""
+        kv = self.kv_caches[layer.layer_idx]
+        keys = self.gather(raw(kv[0]), block_table, length).view(kv.dtype)
+        vals = self.gather(raw(kv[1]), block_table, length).view(kv.dtype)
+        if self.kv_scales is None:
+            return keys.to(dtype), vals.to(dtype)
+        sc = self.kv_scales[layer.layer_idx]
+        return (dequantize_kv(keys, self.gather(sc[0], block_table, length), dtype),
+                dequantize_kv(vals, self.gather(sc[1], block_table, length), dtype))
+
     def store_kv(self, layer: Attention, k, v, ctx: ForwardContext) -> None:
-        self.store(self.kv_caches[layer.layer_idx], k, v, ctx.slot_mapping)
+        self._store(layer, k, v, ctx)
+
+    def _store(self, layer: Attention, k, v, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k/v; return them as the pool now holds them, in k's dtype (the round trip of a quantized or
+        cast pool; k/v themselves for a pool of the model's dtype)."""
+        kv = self.kv_caches[layer.layer_idx]
+        if self.kv_scales is not None:
+            return self.store_quantized(kv, self.kv_scales[layer.layer_idx], k, v, ctx.slot_mapping, self.spec)
+        if kv.dtype == k.dtype:
+            self.store(kv, k, v, ctx.slot_mapping)
+            return k, v
+        kc, vc = k.to(kv.dtype), v.to(kv.dtype)  # a cast pool: kv_cache_dtype="bfloat16" under a float32 model
+        self.store(kv, kc, vc, ctx.slot_mapping)
+        return kc.to(k.dtype), vc.to(k.dtype)
+
+    def forward(self, layer: Attention, q, k, v, ctx: ForwardContext) -> torch.Tensor:
+        # A fresh prompt attends to its keys as the pool holds them (see the class docstring).
+        k, v = self._store(layer, k, v, ctx)
+        return self.attend(layer, q, k, v, ctx)
 
     def attend(self, layer: Attention, q, k, v, ctx: ForwardContext) -> torch.Tensor:
         kv = self.kv_caches[layer.layer_idx]
@@ -157,8 +233,7 @@ class PagedTorchBackend(AttentionBackend):
             if n == q1 - q0:  # a whole prompt, nothing cached before it: its keys are the new ones
                 keys, vals = k[q0:q1], v[q0:q1]
             else:  # a later chunk or a prefix-cache hit: earlier keys come from the pool
-                keys = self.gather(kv[0], ctx.block_tables[i], n)
-                vals = self.gather(kv[1], ctx.block_tables[i], n)
+                keys, vals = self._gather_kv(layer, ctx.block_tables[i], n, q.dtype)
             out[q0:q1] = attend(layer, q[q0:q1], keys, vals)
         if ctx.num_prefill_tokens < q.shape[0]:
             out[ctx.num_prefill_tokens:] = self._decode(layer, kv, q[ctx.num_prefill_tokens:], ctx)
@@ -190,13 +265,29 @@ class PagedTorchBackend(AttentionBackend):
     def _decode(self, layer: Attention, kv, q, ctx: ForwardContext) -> torch.Tensor:
         """Decode: one query per sequence against its own context, group by group (see the class docstring)."""
         plan = ctx.attn_metadata.decode
-        ws = self._workspace_for(kv, max(g.block_ids.numel() for g in plan.groups))
+        rows = max(g.block_ids.numel() for g in plan.groups)
+        ws = raw(self._workspace_for(kv, rows))
+        sc = None
+        if self.kv_scales is not None:
+            sc = self.kv_scales[layer.layer_idx]
+            sws = self._scale_workspace
+            if sws is None or sws.shape[1] < rows or sws.device != sc.device:
+                sws = self._scale_workspace = torch.empty((2, rows, *sc.shape[2:]), dtype=sc.dtype, device=sc.device)
         q_sorted = q[plan.order]  # [B, H, D], shortest context first: each group is a contiguous slice
         out = torch.empty_like(q_sorted)
         for g in plan.groups:
             b, n = g.end - g.start, g.block_ids.numel()
-            keys = torch.index_select(kv[0], 0, g.block_ids, out=ws[0, :n]).view(b, g.key_len, *kv.shape[3:])
-            vals = torch.index_select(kv[1], 0, g.block_ids, out=ws[1, :n]).view(b, g.key_len, *kv.shape[3:])
+            keys = torch.index_select(raw(kv[0]), 0, g.block_ids, out=ws[0, :n])
+            vals = torch.index_select(raw(kv[1]), 0, g.block_ids, out=ws[1, :n])
+            if sc is not None:  # dequantize the group's gathered codes with their gathered scales
+                ks = torch.index_select(sc[0], 0, g.block_ids, out=sws[0, :n])
+                vs = torch.index_select(sc[1], 0, g.block_ids, out=sws[1, :n])
+                keys = dequantize_kv(keys.view(kv.dtype), ks, q.dtype)
+                vals = dequantize_kv(vals.view(kv.dtype), vs, q.dtype)
+            elif kv.dtype != q.dtype:
+                keys, vals = keys.view(kv.dtype).to(q.dtype), vals.view(kv.dtype).to(q.dtype)
+            keys = keys.view(b, g.key_len, *kv.shape[3:])
+            vals = vals.view(b, g.key_len, *kv.shape[3:])
             out[g.start:g.end] = F.scaled_dot_product_attention(
                 q_sorted[g.start:g.end].unsqueeze(2), keys.transpose(1, 2), vals.transpose(1, 2),
                 attn_mask=g.attn_mask(layer, q.dtype), scale=layer.scale,

@@ -45,12 +45,14 @@ class SimpleGenerator:
     """Generate one sequence at a time: prefill, then a decode loop over a contiguous KV cache.
 
     `output_processor` (a `minfer.detokenizer.OutputProcessor`) detokenizes and applies stop strings; without
-    one, sequences get token ids only (no text) and stop on stop token ids and length.
+    one, sequences get token ids only (no text) and stop on stop token ids and length. `kv_cache_dtype`:
+    how the cache stores K/V (`minfer.attention.kv_quant`; "auto" = the model's dtype).
     """
 
     def __init__(self, model: torch.nn.Module, sampler: Sampler | None = None,
-                 output_processor: OutputProcessor | None = None):
+                 output_processor: OutputProcessor | None = None, kv_cache_dtype: str = "auto"):
         self.model = model
+        self.kv_cache_dtype = kv_cache_dtype
         self.cfg = model.config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -59,7 +61,7 @@ class SimpleGenerator:
 
     def new_cache(self, max_len: int) -> ContiguousBackend:
         return ContiguousBackend(self.cfg.num_hidden_layers, max_len, self.cfg.num_key_value_heads,
-                                 self.cfg.head_dim, self.dtype, self.device)
+                                 self.cfg.head_dim, self.dtype, self.device, self.kv_cache_dtype)
 
     @torch.inference_mode()
     def prefill_logits(self, prompt_ids: list[int], cache: ContiguousBackend) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 With no arguments it serves the default model (smollm2-135m-instruct) on http://127.0.0.1:8000. The flags
 carry vLLM's names and meanings (`vllm serve MODEL --max-num-seqs ...`), each mapped onto one `EngineArgs`
-field. A flag whose feature minfer has not built (tensor/pipeline parallelism, AWQ/GPTQ, an fp8 KV cache)
+field. A flag whose feature minfer has not built (tensor/pipeline parallelism, AWQ/GPTQ)
 stops start-up with the reason and exit status 2: none is silently ignored.
 
     python -m minfer.serve --max-model-len 2048 --enable-prefix-caching --max-num-seqs 64 --port 8000
@@ -85,8 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="weight quantization: int8, int4 or gguf (the .gguf file's own Q4 blocks) (default: none)")
     a("--quantization-config", default=None, metavar="JSON",
       help='the method\'s settings as a JSON object, e.g. \'{"group_size": 64}\' for int4 (default: none)')
-    a("--kv-cache-dtype", default=d["kv_cache_dtype"], metavar="DTYPE", help=f"KV cache dtype (default: {d['kv_cache_dtype']}; "
-                                                            "fp8 not built)")
+    a("--kv-cache-dtype", default=d["kv_cache_dtype"], metavar="DTYPE", help="how the KV pool stores K/V: auto (the model's dtype), float32, bfloat16, "
+                                                            "float16, int8, fp8 (= fp8_e4m3), fp8_e5m2 (8-bit ones with a "
+                                                            f"scale per token and head; default: {d['kv_cache_dtype']})")
     a("--block-size", type=int, metavar="N", default=d["block_size"], help=f"tokens per KV block (tokens; default: {d['block_size']})")
     a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d["enable_prefix_caching"],
       help=f"reuse KV blocks of shared prompt prefixes (default: {d['enable_prefix_caching']})")

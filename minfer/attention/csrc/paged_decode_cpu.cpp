@@ -22,6 +22,13 @@
 //   block_tables   int32 [B, max_blocks], contiguous; context_lens int32 [B]
 //   alibi_slopes   float32 [H] or null
 // Built with -ffast-math so that the exp loop is vectorized (glibc's libmvec): no value here is inf or NaN.
+//
+// A quantized pool (kv_cache_dtype int8 / fp8, minfer/attention/kv_quant.py) enters through
+// minfer_paged_decode_q8: the caches hold one byte per element and, beside them, one float32 scale per token
+// and K/V head (k_scales, v_scales: [num_blocks, block_size, KVH]). Each key row is turned into floats once
+// (int8: a convert; fp8: a 256-entry table, exact) into a D-float buffer that the G query heads of its group
+// share; its scale multiplies the finished dot product (q . (s k) = s (q . k)), and a value row's scale
+// multiplies its softmax weight, so dequantizing costs one multiply per token, not per element.
 
 #include <omp.h>
 
@@ -35,21 +42,49 @@ constexpr int64_t kMaxHeadsPerItem = 256;  // query heads per work item (checked
 // Calls fn(i, row) for each visible token t = first + i of [first, len), with `row` pointing at that token's
 // K (or V) of head `offset / D`: token t lives at offset t % block_size of block table[t / block_size], and
 // the tokens of one block lie back to back, `token_stride` floats apart.
-template <typename Fn>
-static inline void for_each_token(const float* cache, const int32_t* table, int64_t first, int64_t len,
+// `slot` (block id * block_size + offset) indexes the per-token scales of a quantized pool.
+template <typename T, typename Fn>
+static inline void for_each_token(const T* cache, const int32_t* table, int64_t first, int64_t len,
                                   int64_t block_size, int64_t token_stride, int64_t offset, Fn&& fn) {
   for (int64_t t = first; t < len;) {
     const int64_t blk = t / block_size, end = std::min(len, (blk + 1) * block_size);
-    const float* row = cache + ((int64_t)table[blk] * block_size + t % block_size) * token_stride + offset;
-    for (; t < end; ++t, row += token_stride) fn(t - first, row);
+    int64_t slot = (int64_t)table[blk] * block_size + t % block_size;
+    const T* row = cache + slot * token_stride + offset;
+    for (; t < end; ++t, ++slot, row += token_stride) fn(t - first, row, slot);
   }
 }
 
+// How a stored element becomes a float: Float (the float32 pool, no scales), Int8 (a convert), Table (fp8:
+// lut[byte]). `row` returns a pointer to D floats: the row itself for Float, else `buf` filled from it.
+struct Float {
+  using T = float;
+  static constexpr bool kScaled = false;
+  static inline const float* row(const float* src, float*, int64_t, const float*) { return src; }
+};
+struct Int8 {
+  using T = int8_t;
+  static constexpr bool kScaled = true;
+  static inline const float* row(const int8_t* src, float* buf, int64_t D, const float*) {
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) buf[d] = (float)src[d];
+    return buf;
+  }
+};
+struct Table {
+  using T = uint8_t;
+  static constexpr bool kScaled = true;
+  static inline const float* row(const uint8_t* src, float* buf, int64_t D, const float* lut) {
+    for (int64_t d = 0; d < D; ++d) buf[d] = lut[src[d]];
+    return buf;
+  }
+};
+
 // kHeadDim > 0: the head size is a compile-time constant, so the compiler unrolls the loops over it into
 // a few full-width vector instructions (the common sizes get their own copy); 0: any head size.
-template <int64_t kHeadDim>
+template <int64_t kHeadDim, typename Elem>
 static void paged_decode(
-    float* out, const float* q, const float* k_cache, const float* v_cache,
+    float* out, const float* q, const typename Elem::T* k_cache, const typename Elem::T* v_cache,
+    const float* k_scales, const float* v_scales, const float* lut,
     const int32_t* block_tables, const int32_t* context_lens,
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t block_size, int64_t max_blocks, float scale, int64_t window, const float* alibi_slopes,
@@ -67,7 +102,7 @@ static void paged_decode(
 
 #pragma omp parallel num_threads(num_threads)
   {
-    std::vector<float> scores, acc(nh * D);
+    std::vector<float> scores, acc(nh * D), buf(D);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_seqs * items_per_seq; ++item) {
       const int64_t b = item / items_per_seq;
@@ -86,16 +121,18 @@ static void paged_decode(
       std::fill(acc.begin(), acc.end(), 0.f);
 
       // 1. scores. The G query heads of a group read the same K/V head (Hugging Face's GQA order: h -> h / G).
-      for_each_token(k_cache, table, first, len, block_size, token_stride, kv0 * D, [&](int64_t i, const float* k) {
+      for_each_token(k_cache, table, first, len, block_size, token_stride, kv0 * D,
+                     [&](int64_t i, const typename Elem::T* k, int64_t slot) {
         for (int64_t kv = 0; kv < kv_per_item; ++kv) {
-          const float* kh = k + kv * D;
+          const float* kh = Elem::row(k + kv * D, buf.data(), D, lut);
+          const float s_tok = Elem::kScaled ? scale * k_scales[slot * num_kv_heads + kv0 + kv] : scale;
           for (int64_t g = 0; g < G; ++g) {
             const int64_t h = kv * G + g;
             const float* qh = qb + h * D;
             float s = 0.f;
 #pragma omp simd reduction(+ : s)
             for (int64_t d = 0; d < D; ++d) s += qh[d] * kh[d];
-            scores[h * n + i] = s * scale;
+            scores[h * n + i] = s * s_tok;
           }
         }
       });
@@ -119,12 +156,14 @@ static void paged_decode(
       }
 
       // 3. weighted sum of the values, read through the same block table.
-      for_each_token(v_cache, table, first, len, block_size, token_stride, kv0 * D, [&](int64_t i, const float* v) {
+      for_each_token(v_cache, table, first, len, block_size, token_stride, kv0 * D,
+                     [&](int64_t i, const typename Elem::T* v, int64_t slot) {
         for (int64_t kv = 0; kv < kv_per_item; ++kv) {
-          const float* vh = v + kv * D;
+          const float* vh = Elem::row(v + kv * D, buf.data(), D, lut);
+          const float s_tok = Elem::kScaled ? v_scales[slot * num_kv_heads + kv0 + kv] : 1.f;
           for (int64_t g = 0; g < G; ++g) {
             const int64_t h = kv * G + g;
-            const float p = scores[h * n + i];
+            const float p = scores[h * n + i] * s_tok;
             float* a = acc.data() + h * D;
 #pragma omp simd
             for (int64_t d = 0; d < D; ++d) a[d] += p * vh[d];
@@ -143,7 +182,37 @@ extern "C" void minfer_paged_decode_f32(
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t block_size, int64_t max_blocks, float scale, int64_t window, const float* alibi_slopes,
     int num_threads) {
-  auto kernel = head_dim == 64 ? paged_decode<64> : head_dim == 128 ? paged_decode<128> : paged_decode<0>;
-  kernel(out, q, k_cache, v_cache, block_tables, context_lens, num_seqs, num_heads, num_kv_heads, head_dim,
-         block_size, max_blocks, scale, window, alibi_slopes, num_threads);
+  auto kernel = head_dim == 64    ? paged_decode<64, Float>
+                : head_dim == 128 ? paged_decode<128, Float>
+                                  : paged_decode<0, Float>;
+  kernel(out, q, k_cache, v_cache, nullptr, nullptr, nullptr, block_tables, context_lens, num_seqs, num_heads,
+         num_kv_heads, head_dim, block_size, max_blocks, scale, window, alibi_slopes, num_threads);
+}
+
+// The quantized pool: k_cache/v_cache hold one byte per element (int8 codes, or fp8 bytes decoded by `lut`,
+// float32 [256]; lut == null means int8), k_scales/v_scales float32 [num_blocks, block_size, KVH].
+template <typename Elem>
+static void dispatch_q8(float* out, const float* q, const void* k_cache, const void* v_cache, const float* k_scales,
+                        const float* v_scales, const float* lut, const int32_t* block_tables,
+                        const int32_t* context_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, int64_t window,
+                        const float* alibi_slopes, int num_threads) {
+  using T = typename Elem::T;
+  auto kernel = head_dim == 64    ? paged_decode<64, Elem>
+                : head_dim == 128 ? paged_decode<128, Elem>
+                                  : paged_decode<0, Elem>;
+  kernel(out, q, (const T*)k_cache, (const T*)v_cache, k_scales, v_scales, lut, block_tables, context_lens,
+         num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale, window, alibi_slopes,
+         num_threads);
+}
+
+extern "C" void minfer_paged_decode_q8(
+    float* out, const float* q, const void* k_cache, const void* v_cache, const float* k_scales,
+    const float* v_scales, const float* lut, const int32_t* block_tables, const int32_t* context_lens,
+    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t block_size, int64_t max_blocks, float scale, int64_t window, const float* alibi_slopes,
+    int num_threads) {
+  (lut ? dispatch_q8<Table> : dispatch_q8<Int8>)(out, q, k_cache, v_cache, k_scales, v_scales, lut, block_tables,
+                                                  context_lens, num_seqs, num_heads, num_kv_heads, head_dim,
+                                                  block_size, max_blocks, scale, window, alibi_slopes, num_threads);
 }

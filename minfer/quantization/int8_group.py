@@ -1,0 +1,103 @@
+"""Int8 codes with one float32 scale per group of 16 or 32 inputs, and the C++ kernel that multiplies by them in
+place (chapter 5): the layout GGUF's Q8_0, Q5_0 and Q6_K blocks decode into exactly (`minfer.quantization.gguf`).
+
+    W[n, G g + j] = scale[n, g] * qweight[n, G g + j]      qweight int8 [out, in], scale float32 [out, in/G]
+
+torch's `_weight_int8pack_mm` takes one scale per output row, not one per group, so it cannot run these
+blocks without re-quantizing them (a second rounding); `csrc/int8_group_cpu.cpp` does the group scales itself:
+each weight row is read once, turned into floats in L1 (code x its group's scale) and dotted with every
+row of the batch. float32 activations in, float32 out: the product is
+gguf's own dequantization times x, up to the order of the sums. Built like the decode-attention kernel
+(`minfer.attention.cpu`: torch's extension builder, `-march=native`, one build per kind of CPU, so an
+AVX-512 machine and an AVX2-only one each get code for their own instructions), called through ctypes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "int8_group_cpu.cpp"
+# No -ffast-math: the sums keep their order, so a row gives the same bits at any batch size.
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+GROUP_SIZES = (16, 32)
+
+
+class Int8GroupKernelUnavailable(RuntimeError):
+    """The C++ kernel could not be built or loaded here (the message says why)."""
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    """Build (once per source version and kind of CPU) and load the kernel.
+
+    Raises:
+        Int8GroupKernelUnavailable: disabled by MINFER_CPU_KERNELS=0, or the build or load failed.
+    """
+    if os.environ.get("MINFER_CPU_KERNELS", "1") == "0":
+        raise Int8GroupKernelUnavailable("disabled by MINFER_CPU_KERNELS=0")
+    try:
+        from torch.utils.cpp_extension import load
+
+        from minfer.attention.cpu import _cpu_identity
+
+        key = hashlib.sha1(f"{SOURCE}\n{CFLAGS}\n{_cpu_identity()}\n".encode() + SOURCE.read_bytes()).hexdigest()[:12]
+        path = load(name=f"minfer_int8_group_cpu_{key}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                    extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        lib = ctypes.CDLL(path)
+    except Exception as e:  # a missing compiler/ninja shows up as many different exception types
+        raise Int8GroupKernelUnavailable(f"building {SOURCE.name} failed: {type(e).__name__}: {e}") from e
+    f = lib.minfer_int8_group_matmul
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    f.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
+    f.restype = None
+    return lib
+
+
+def int8_group_kernel_available() -> bool:
+    try:
+        _library()
+        return True
+    except Int8GroupKernelUnavailable:
+        return False
+
+
+def dequantize_int8_group(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(qweight int8 [out, in], scale [out, in/G]) -> `[out, in]` in `dtype` (computed in float32)."""
+    out, k = qweight.shape
+    g = scale.shape[1]
+    return (qweight.view(out, g, k // g).float() * scale.float()[..., None]).reshape(out, k).to(dtype)
+
+
+def int8_group_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`x [T, in]` float32 times the weight `[out, in]` that (qweight, scale) stand for, transposed: `[T, out]`.
+
+    Args:
+        x: float32 `[T, in]` (other float dtypes are converted). qweight: int8 `[out, in]`, contiguous.
+        scale: float32 `[out, in / G]`, G in (16, 32).
+
+    Raises:
+        Int8GroupKernelUnavailable: the kernel cannot be built here.
+        ValueError: wrong dtypes or shapes.
+    """
+    lib = _library()
+    if qweight.dtype != torch.int8 or qweight.dim() != 2 or not qweight.is_contiguous():
+        raise ValueError(f"qweight must be a contiguous int8 [out, in] tensor, got {qweight.dtype} {tuple(qweight.shape)}")
+    out, k = qweight.shape
+    if scale.dtype != torch.float32 or scale.dim() != 2 or scale.shape[0] != out or not scale.is_contiguous() \
+            or scale.shape[1] == 0 or k % scale.shape[1] or k // scale.shape[1] not in GROUP_SIZES:
+        raise ValueError(f"scale must be a contiguous float32 [{out}, {k} / G] tensor with G in {GROUP_SIZES}, got "
+                         f"{scale.dtype} {tuple(scale.shape)}")
+    if x.dim() != 2 or x.shape[1] != k or x.device.type != "cpu":
+        raise ValueError(f"x must be a CPU tensor [T, {k}], got {tuple(x.shape)} on {x.device}")
+    x = x.to(torch.float32).contiguous()
+    y = torch.empty(x.shape[0], out, dtype=torch.float32)
+    if x.shape[0]:
+        lib.minfer_int8_group_matmul(y.data_ptr(), x.data_ptr(), qweight.data_ptr(), scale.data_ptr(), x.shape[0],
+                                     out, k, k // scale.shape[1], torch.get_num_threads())
+    return y
