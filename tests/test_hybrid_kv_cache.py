@@ -195,3 +195,20 @@ def test_beam_search_is_a_clear_error(gemma):
     assert llm.llm_engine.all_blocks_free()  # refused before any block was taken
     out = llm.generate([prompt(3, 12)], SamplingParams(temperature=0, max_tokens=4))  # the engine still serves
     assert len(out[0].outputs[0].token_ids) == 4 and llm.llm_engine.all_blocks_free()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_quantized_kv_cache_in_the_hybrid_layout_equals_the_simple_path(gemma, kv_cache_dtype):
+    """A quantized pool (chapter 5) under the hybrid layout: each layer's scales follow its K/V tensor, so the
+    engine (chunked, local groups freed) gives the simple path's tokens, whose cache quantizes the same way."""
+    path, _ = gemma
+    llm = LLM(model=str(path), max_model_len=96, attention_backend="torch", device="cpu", block_size=4,
+              enable_chunked_prefill=True, max_num_batched_tokens=8, kv_cache_memory_bytes=1 << 20,
+              kv_cache_dtype=kv_cache_dtype)
+    eng = llm.llm_engine
+    assert isinstance(eng.block_manager, HybridBlockManager) and eng.worker.pool.scales is not None
+    params = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params)
+    simple = [llm.generate_simple(p, params)[0].outputs[0].token_ids for p in PROMPTS]
+    assert [o.outputs[0].token_ids for o in outs] == simple
+    assert eng.all_blocks_free()
