@@ -134,11 +134,11 @@ class SpeculativeConfig:
 
 
 # Weight quantization (minfer/quantization/): the methods, and the settings each accepts.
-QUANTIZATION_METHODS = ("int8", "int4", "gguf")
+QUANTIZATION_METHODS = ("int8", "int4", "gguf", "awq", "gptq")  # awq/gptq: a saved directory (minfer.quantize)
 # Names vLLM has that minfer does not build (yet): refused with a message that says so.
-NOT_BUILT_METHODS = ("awq", "gptq", "fp8", "bitsandbytes", "marlin", "gptq_marlin", "awq_marlin")
+NOT_BUILT_METHODS = ("fp8", "bitsandbytes", "marlin", "gptq_marlin", "awq_marlin")
 # The keys each method's quantization_config accepts.
-CONFIG_KEYS = {"int8": (), "int4": ("group_size",), "gguf": ()}
+CONFIG_KEYS = {"int8": (), "int4": ("group_size",), "gguf": (), "awq": (), "gptq": ()}
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's int4 CPU op supports
 
 

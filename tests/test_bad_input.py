@@ -34,7 +34,7 @@ def test_sampling_params_bounds(kwargs, field):
     (dict(kv_cache_memory_bytes="64M"), "kv_cache_memory_bytes"), (dict(swap_space=float("nan")), "swap_space"),
     (dict(max_num_seqs=1.5), "max_num_seqs"), (dict(gpu_memory_utilization="0.5"), "gpu_memory_utilization"),
     (dict(max_model_len=0), "max_model_len"), (dict(tensor_parallel_size=2), "not built"),
-    (dict(kv_cache_dtype="fp8"), "not built"), (dict(quantization="awq"), "not built"),
+    (dict(kv_cache_dtype="fp8"), "not built"), (dict(quantization="bitsandbytes"), "not built"),
     (dict(attention_backend="flash"), "attention_backend"), (dict(attention_backend="cpu", dtype="bfloat16"), "float32"),
 ])
 def test_engine_args_checked_before_loading(kwargs, field):
