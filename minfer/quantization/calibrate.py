@@ -163,60 +163,68 @@ def calibrate(model, samples: list[list[int]], method: str, group_size: int, bit
     return result
 
 
-def _awq_layer(layer, cfg, xs: dict, xs_all: dict, group_size: int, n_grid: int) -> dict:
-    """AWQ's scale search, folds and clipping for one decoder layer (minfer.quantization.awq). `xs` are the
-    sampled rows per linear input, `xs_all` every row (for mean |x|). Changes the layer's weights in place;
-    returns {group: losses per alpha}."""
+def fold_scales(layer, cfg, scales: dict) -> None:
+    """Fold AWQ's scales into one decoder layer, leaving its float function unchanged (tested):
+
+        qkv     [hidden]  input_layernorm.weight / s,            q|k|v columns * s
+        o       [kvh*D]   v rows (and bias) / s,                 o_proj columns * s of their v channel
+        gate_up [hidden]  post_attention_layernorm.weight / s,   gate|up columns * s
+        down    [inter]   up rows (and bias) / s,                down_proj columns * s
+    """
     attn, mlp = layer.self_attn, layer.mlp
     h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    losses = {}
-
-    def fold_into_columns(lin, s_full):
-        lin.weight.data.mul_(s_full[None, :])
-
-    # q|k|v <- input_layernorm
-    s, losses["qkv"] = search_scale(xs["self_attn.qkv_proj"], attn.qkv_proj.weight.data, group_size,
-                                    xs_all["self_attn.qkv_proj"].abs().mean(0), n_grid=n_grid)
+    s = scales["qkv"]
     layer.input_layernorm.weight.data.div_(s)
-    fold_into_columns(attn.qkv_proj, s)
-    xs["self_attn.qkv_proj"] = xs["self_attn.qkv_proj"] / s
-
-    # o <- v: o's input channel (head, dim) reads v head (head // (h / kvh), dim); the query heads of one v
-    # head share its scale (the mean of their |x|)
-    xo = xs_all["self_attn.o_proj"].abs().mean(0).view(kvh, h // kvh, d).mean(1).reshape(-1)  # [kvh * d]
-    expand = (torch.arange(h) // (h // kvh))[:, None] * d + torch.arange(d)[None, :]
-    expand = expand.reshape(-1)
-    s, losses["o"] = search_scale(xs["self_attn.o_proj"], attn.o_proj.weight.data, group_size, xo, expand, n_grid)
+    attn.qkv_proj.weight.data.mul_(s[None, :])
+    s = scales["o"]
     v0 = (h + kvh) * d
     attn.qkv_proj.weight.data[v0:].div_(s[:, None])
     if attn.qkv_proj.bias is not None:
         attn.qkv_proj.bias.data[v0:].div_(s)
-    fold_into_columns(attn.o_proj, s[expand])
-    xs["self_attn.o_proj"] = xs["self_attn.o_proj"] / s[expand]
-
-    # gate|up <- post_attention_layernorm
-    s, losses["gate_up"] = search_scale(xs["mlp.gate_up_proj"], mlp.gate_up_proj.weight.data, group_size,
-                                        xs_all["mlp.gate_up_proj"].abs().mean(0), n_grid=n_grid)
+    attn.o_proj.weight.data.mul_(s[o_expand(cfg)][None, :])
+    s = scales["gate_up"]
     layer.post_attention_layernorm.weight.data.div_(s)
-    fold_into_columns(mlp.gate_up_proj, s)
-    xs["mlp.gate_up_proj"] = xs["mlp.gate_up_proj"] / s
-
-    # down <- up
+    mlp.gate_up_proj.weight.data.mul_(s[None, :])
+    s = scales["down"]
     inter = mlp.down_proj.in_features
-    s, losses["down"] = search_scale(xs["mlp.down_proj"], mlp.down_proj.weight.data, group_size,
-                                     xs_all["mlp.down_proj"].abs().mean(0), n_grid=n_grid)
     mlp.gate_up_proj.weight.data[inter:].div_(s[:, None])
     if mlp.gate_up_proj.bias is not None:
         mlp.gate_up_proj.bias.data[inter:].div_(s)
-    fold_into_columns(mlp.down_proj, s)
-    xs["mlp.down_proj"] = xs["mlp.down_proj"] / s
+    mlp.down_proj.weight.data.mul_(s[None, :])
+
+
+def o_expand(cfg) -> torch.Tensor:
+    """int64 [heads * D]: for each o_proj input channel (head, dim), its v channel (head // (h / kvh), dim)."""
+    h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    return ((torch.arange(h) // (h // kvh))[:, None] * d + torch.arange(d)[None, :]).reshape(-1)
+
+
+def _awq_layer(layer, cfg, xs: dict, xs_all: dict, group_size: int, n_grid: int) -> dict:
+    """AWQ's scale search, folds and clipping for one decoder layer (minfer.quantization.awq). `xs` are the
+    sampled rows per linear input, `xs_all` every row (for mean |x|). Each group's search reads the layer's
+    weights before any fold (a fold touches only other groups' weights: v's and up's rows, not o's or down's
+    columns). Changes the layer's weights in place; returns {group: losses per alpha}."""
+    attn, mlp = layer.self_attn, layer.mlp
+    h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    expand = o_expand(cfg)
+    mean = {n: x.abs().mean(0) for n, x in xs_all.items()}
+    # the query heads of one v head share its scale: the mean of their |x|
+    mean["self_attn.o_proj"] = mean["self_attn.o_proj"].view(kvh, h // kvh, d).mean(1).reshape(-1)
+    groups = {"qkv": ("self_attn.qkv_proj", attn.qkv_proj, None), "o": ("self_attn.o_proj", attn.o_proj, expand),
+              "gate_up": ("mlp.gate_up_proj", mlp.gate_up_proj, None), "down": ("mlp.down_proj", mlp.down_proj, None)}
+    scales, losses = {}, {}
+    for g, (name, lin, exp) in groups.items():
+        scales[g], losses[g] = search_scale(xs[name], lin.weight.data, group_size, mean[name], exp, n_grid)
+    fold_scales(layer, cfg, scales)
+    for g, (name, lin, exp) in groups.items():  # the inputs the folded weights see
+        xs[name] = xs[name] / scales[g][exp if exp is not None else slice(None)]
 
     # clipping, on at most 256 rows; not q and k (module docstring of awq.py)
     clip_rows = {n: x[:256] for n, x in xs.items()}
     qk = (h + kvh) * d
     w = attn.qkv_proj.weight.data
     w[qk:] = search_clip(clip_rows["self_attn.qkv_proj"], w[qk:], group_size, n_grid)
-    for lin, name in ((attn.o_proj, "self_attn.o_proj"), (mlp.gate_up_proj, "mlp.gate_up_proj"),
-                      (mlp.down_proj, "mlp.down_proj")):
-        lin.weight.data.copy_(search_clip(clip_rows[name], lin.weight.data, group_size, n_grid))
+    for g, (name, lin, exp) in groups.items():
+        if g != "qkv":
+            lin.weight.data.copy_(search_clip(clip_rows[name], lin.weight.data, group_size, n_grid))
     return losses
