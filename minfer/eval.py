@@ -27,16 +27,9 @@ import json
 import math
 import sys
 from dataclasses import asdict, dataclass
-from importlib import resources
 
-DATA = {"eval": "eval_python_docs.txt", "calib": "calib_python_docs.txt"}
-
-
-def load_text(which: str = "eval") -> str:
-    """The shipped text `which` ("eval" or "calib", `minfer/data/`). Raises ValueError for another name."""
-    if which not in DATA:
-        raise ValueError(f"unknown text {which!r}: one of {', '.join(DATA)}")
-    return resources.files("minfer").joinpath("data", DATA[which]).read_text(encoding="utf-8")
+# The shipped texts are shared data (`minfer.config`): calibration (`minfer.quantization`) reads them too.
+from minfer.config import SHIPPED_TEXTS as DATA, load_shipped_text as load_text  # noqa: E402,F401
 
 
 def token_windows(ids: list[int], window: int, max_tokens: int | None = None) -> list[list[int]]:

@@ -61,9 +61,9 @@ def calibration_samples(tokenizer, n_samples: int = 32, seq_len: int = 256, text
     Raises:
         ValueError: the text has fewer than n_samples x seq_len tokens.
     """
-    from minfer.eval import load_text
+    from minfer.config import load_shipped_text
 
-    ids = tokenizer.encode(text if text is not None else load_text("calib"), add_special_tokens=False)
+    ids = tokenizer.encode(text if text is not None else load_shipped_text("calib"), add_special_tokens=False)
     if len(ids) < n_samples * seq_len:
         raise ValueError(f"the calibration text has {len(ids)} tokens, fewer than {n_samples} x {seq_len}")
     return [ids[i * seq_len:(i + 1) * seq_len] for i in range(n_samples)]
