@@ -29,14 +29,20 @@ from __future__ import annotations
 
 import torch
 
-from minfer.quantization.formats import affine_params, dequantize_affine, quantize_affine
 
 
 def fake_quantize(w: torch.Tensor, group_size: int, bits: int = 4) -> torch.Tensor:
-    """Min-max group-wise quantize-dequantize of `w [out, in]` (the format's own rounding), float32."""
+    """Min-max group-wise quantize-dequantize of `w [out, in]`, float32: the saved format's rounding
+    (`formats.affine_params` + `quantize_affine`, scale rounded to float16), in float ops only, since the
+    searches call it hundreds of times per layer."""
     out, k = w.shape
-    s, zp = affine_params(w.reshape(out, k // group_size, group_size), bits)
-    return dequantize_affine(quantize_affine(w, s, zp, group_size, bits), s, zp)
+    qmax = 2 ** bits - 1
+    wg = w.reshape(out, k // group_size, group_size)
+    lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+    s = ((hi - lo) / qmax).clamp_min_(1e-5).half().float()
+    zp = torch.round(-lo / s).clamp_(0, qmax)
+    q = torch.round(wg / s).add_(zp).clamp_(0, qmax)
+    return q.sub_(zp).mul_(s).reshape(out, k)
 
 
 def scales_for(x_mean: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -84,7 +90,7 @@ def search_clip(x: torch.Tensor, w: torch.Tensor, group_size: int, n_grid: int =
     float32 weight; its quantization is then min-max as usual."""
     out, k = w.shape
     ng = k // group_size
-    xg = x.reshape(-1, ng, group_size)  # [n, ng, G]
+    xg = x.reshape(-1, ng, group_size).permute(1, 2, 0).contiguous()  # [ng, G, n]
     result = torch.empty_like(w)
     for r0 in range(0, out, rows_per_chunk):  # chunks of rows bound the [rows, ng, n] error tensors
         wg = w[r0:r0 + rows_per_chunk].reshape(-1, ng, group_size)  # [o, ng, G]
@@ -95,7 +101,7 @@ def search_clip(x: torch.Tensor, w: torch.Tensor, group_size: int, n_grid: int =
             mx = amax * (1 - i / n_grid)
             wc = wg.clamp(-mx, mx)
             wq = fake_quantize(wc.reshape(wg.shape[0], k), group_size).reshape_as(wg)
-            err = torch.einsum("ogk,ngk->ogn", wq - wg, xg).pow(2).mean(-1)  # [o, ng]
+            err = torch.bmm((wq - wg).transpose(0, 1), xg).pow_(2).mean(-1).t()  # [ng, o, n] -> [o, ng]
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best_max = torch.where(better[..., None], mx, best_max)

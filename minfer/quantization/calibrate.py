@@ -88,7 +88,7 @@ def _rtn(w: torch.Tensor, group_size: int, bits: int, zp_min: int):
 
 @torch.no_grad()
 def calibrate(model, samples: list[list[int]], method: str, group_size: int, bits: int = 4,
-              n_grid: int = 20, max_rows: int = 1024, zp_min: int | None = None,
+              n_grid: int = 20, max_rows: int = 512, zp_min: int | None = None,
               use_tqdm: bool = True) -> QuantizedWeights:
     """Quantize every decoder linear of `model` (module docstring) with `method` ("int4" = RTN, "gptq",
     "awq") at `group_size`, calibrated on `samples` (token-id lists of one length).
