@@ -38,6 +38,13 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--only", default=None, help="comma-separated subset of configuration names")
     p.add_argument("--kv-cache-dtypes", default="int8,fp8_e4m3", help="KV dtypes to try (skipped if not built)")
+    p.add_argument("--reference-greedy-only", action="store_true",
+                   help="float32 gives only the greedy reference (no perplexity): for a second process that "
+                   "measures other configurations against the same reference, merged afterwards")
+    p.add_argument("--no-greedy", action="store_true", help="perplexity only")
+    p.add_argument("--skip-float32", action="store_true", help="no float32 row (merged from another run)")
+    p.add_argument("--reuse-calibration", action="store_true",
+                   help="load an AWQ/GPTQ directory already in --workdir instead of calibrating again")
     p.add_argument("--workdir", default="/tmp/minfer-quant-quality")
     p.add_argument("--json", default="assets/benchmarks/quant_quality_cpu.json")
     args = p.parse_args(argv)
@@ -63,7 +70,7 @@ def main(argv=None) -> int:
                         {"quantization": "int4", "quantization_config": {"group_size": G}, "kv_cache_dtype": kv}))
     if args.only:
         keep = set(args.only.split(","))
-        configs = [c for c in configs if c[0] in keep or c[0] == "float32"]
+        configs = [c for c in configs if c[0] in keep or (c[0] == "float32" and not args.skip_float32)]
 
     result = {"model": args.model, "text": "minfer/data/eval_python_docs.txt", "window": args.window,
               "max_tokens": args.max_tokens, "group_size": G, "calibration_samples": args.samples,
@@ -80,9 +87,13 @@ def main(argv=None) -> int:
             out = work / f"{method}-g{G}"
             t = time.perf_counter()
             extra = {"n_grid": args.n_grid, "max_rows": args.max_rows} if method == "awq" else {}
-            summary = quantize_model(args.model, method, G, out, n_samples=args.samples, seq_len=256, **extra)
-            result["calibration"][method] = {"seconds": time.perf_counter() - t, "out": str(out),
-                                             "awq_losses": summary["awq_losses"]}
+            if args.reuse_calibration and (out / "config.json").is_file():
+                summary = None
+            else:
+                summary = quantize_model(args.model, method, G, out, n_samples=args.samples, seq_len=256, **extra)
+            if summary is not None:
+                result["calibration"][method] = {"seconds": time.perf_counter() - t, "out": str(out),
+                                                 "awq_losses": summary["awq_losses"]}
             kw = {"model": str(out)}
         else:
             kw["model"] = args.model
@@ -101,16 +112,18 @@ def main(argv=None) -> int:
                                                   "eval_python_docs.txt").read(), add_special_tokens=False)
             rest = ids[args.max_tokens:]
             prompts = [{"prompt_token_ids": rest[i * 96:i * 96 + 32]} for i in range(args.prompts)]
-        res = perplexity(llm, window=args.window, max_tokens=args.max_tokens)
-        row.update(ppl=res.ppl, nll=res.nll, num_tokens=res.num_tokens, ppl_seconds=time.perf_counter() - t)
-        toks = greedy_tokens(llm, prompts, args.new_tokens)
-        if reference is None:
-            reference = toks
-        row["greedy_agreement"] = greedy_agreement(toks, reference)
+        if not (args.reference_greedy_only and reference is None):
+            res = perplexity(llm, window=args.window, max_tokens=args.max_tokens)
+            row.update(ppl=res.ppl, nll=res.nll, num_tokens=res.num_tokens, ppl_seconds=time.perf_counter() - t)
+        if not args.no_greedy:
+            toks = greedy_tokens(llm, prompts, args.new_tokens)
+            if reference is None:
+                reference = toks
+                result["reference_tokens"] = toks
+            row["greedy_agreement"] = greedy_agreement(toks, reference)
         row["weight_bytes"] = weight_bytes(llm.llm_engine.worker.model)
         result["rows"].append(row)
-        print(f"{name:40s} ppl {res.ppl:8.3f}  agree {row['greedy_agreement']:.3f}  "
-              f"({row['ppl_seconds']:.0f} s)", flush=True)
+        print(f"{name:40s} ppl {row.get('ppl', float('nan')):8.3f}  agree {row.get('greedy_agreement')}", flush=True)
         del llm
         gc.collect()
         _finish(result, G, args.json)
@@ -121,7 +134,10 @@ def main(argv=None) -> int:
 
 def _finish(result: dict, G: int, path: str) -> None:
     """Ratios against float32 and AWQ's/GPTQ's share of RTN's increase recovered; write the JSON."""
-    base = result["rows"][0]["ppl"]
+    base = result["rows"][0].get("ppl") if result["rows"] and result["rows"][0]["name"] == "float32" else None
+    if base is None:  # a --reference-greedy-only run: ratios are computed after merging
+        Path(path).write_text(json.dumps(result, indent=1))
+        return
     for row in result["rows"]:
         if "ppl" in row:
             row["ppl_vs_float32"] = row["ppl"] / base - 1
