@@ -144,12 +144,26 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config (the draft): {e}") from None
 
 
+# Texts that ship with minfer (minfer/data/README.md: the Python 3.11 docs, PSF license): perplexity
+# (`minfer.eval`) and calibration (`minfer.quantization.calibrate`) read disjoint parts.
+SHIPPED_TEXTS = {"eval": "eval_python_docs.txt", "calib": "calib_python_docs.txt"}
+
+
+def load_shipped_text(which: str = "eval") -> str:
+    """The shipped text `which` ("eval" or "calib", `minfer/data/`). Raises ValueError for another name."""
+    from importlib import resources
+
+    if which not in SHIPPED_TEXTS:
+        raise ValueError(f"unknown text {which!r}: one of {', '.join(SHIPPED_TEXTS)}")
+    return resources.files("minfer").joinpath("data", SHIPPED_TEXTS[which]).read_text(encoding="utf-8")
+
+
 # Weight quantization (minfer/quantization/): the methods, and the settings each accepts.
-QUANTIZATION_METHODS = ("int8", "int4", "gguf")
+QUANTIZATION_METHODS = ("int8", "int4", "gguf", "awq", "gptq")  # awq/gptq: a saved directory (minfer.quantize)
 # Names vLLM has that minfer does not build (yet): refused with a message that says so.
-NOT_BUILT_METHODS = ("awq", "gptq", "fp8", "bitsandbytes", "marlin", "gptq_marlin", "awq_marlin")
+NOT_BUILT_METHODS = ("fp8", "bitsandbytes", "marlin", "gptq_marlin", "awq_marlin")
 # The keys each method's quantization_config accepts.
-CONFIG_KEYS = {"int8": (), "int4": ("group_size",), "gguf": ()}
+CONFIG_KEYS = {"int8": (), "int4": ("group_size",), "gguf": (), "awq": (), "gptq": ()}
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's int4 CPU op supports
 
 

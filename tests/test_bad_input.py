@@ -36,7 +36,7 @@ def test_sampling_params_bounds(kwargs, field):
     (dict(max_model_len=0), "max_model_len"), (dict(tensor_parallel_size=0), "tensor_parallel_size"),
     (dict(kv_cache_dtype="fp4"), "kv_cache_dtype"),
     (dict(kv_cache_dtype="int8", attention_backend="triton"), "triton"),
-    (dict(kv_cache_dtype="bfloat16", attention_backend="cpu"), "cpu"), (dict(quantization="awq"), "not built"),
+    (dict(kv_cache_dtype="bfloat16", attention_backend="cpu"), "cpu"), (dict(quantization="bitsandbytes"), "not built"),
     (dict(attention_backend="flash"), "attention_backend"), (dict(attention_backend="cpu", dtype="bfloat16"), "float32"),
 ])
 def test_engine_args_checked_before_loading(kwargs, field):

@@ -26,7 +26,8 @@ PKG = ROOT / "minfer"
 # Plain data and formulas every step may use; they import only each other.
 SHARED = {"minfer.config", "minfer.sequence", "minfer.outputs", "minfer.sampling_params", "minfer.memory"}
 # Entry points that drive the flow; they may import anything.
-TOP = {"minfer", "minfer.llm", "minfer.engine", "minfer.serve", "minfer.generate", "minfer.bench", "minfer.recap"}
+TOP = {"minfer", "minfer.llm", "minfer.engine", "minfer.serve", "minfer.generate", "minfer.bench", "minfer.recap",
+       "minfer.eval", "minfer.quantize"}
 
 
 def module_name(path: Path) -> str:

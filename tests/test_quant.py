@@ -102,7 +102,8 @@ def test_group_size_that_does_not_divide_is_refused_with_the_width():
 
 @pytest.mark.parametrize("q,cfg,match", [
     ("int5", None, "unknown quantization method 'int5'"),
-    ("awq", None, "not built"),
+    ("bitsandbytes", None, "not built"),
+    ("awq", {"group_size": 64}, "unknown key"),
     ("int4", {"group_size": 48}, "group_size must be one of"),
     ("int4", {"group_size": "64"}, "group_size must be one of"),
     ("int4", {"bits": 4}, "unknown key"),

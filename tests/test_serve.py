@@ -85,7 +85,7 @@ def _metrics(url: str) -> dict[str, float]:
 @pytest.mark.parametrize("flags, needle", [
     (["--tensor-parallel-size", "0"], "tensor_parallel_size"),
     (["--pipeline-parallel-size", "0"], "pipeline_parallel_size"),
-    (["--quantization", "awq"], "quantization"),
+    (["--quantization", "bitsandbytes"], "quantization"),
     (["--kv-cache-dtype", "fp4"], "kv_cache_dtype"),
     (["--block-size", "3"], "block_size"),
 ])

@@ -251,7 +251,7 @@ def test_sampled_engine_output_has_the_target_distribution(models):
     (dict(method="draft_model", num_speculative_tokens=2), "needs 'model'"),
     (dict(method="ngram", num_speculative_tokens=2, foo=1), "unknown field"),
     (dict(method="draft_model", model="x", num_speculative_tokens=2, quantization="int3"), "unknown quantization"),
-    (dict(method="draft_model", model="x", num_speculative_tokens=2, quantization="awq"), "not built"),
+    (dict(method="draft_model", model="x", num_speculative_tokens=2, quantization="bitsandbytes"), "not built"),
     (dict(method="draft_model", model="x", num_speculative_tokens=2, quantization="int4",
           quantization_config={"group_size": 48}), "group_size"),
     (dict(method="draft_model", model="x", num_speculative_tokens=2, quantization="int8",

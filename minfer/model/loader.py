@@ -24,6 +24,8 @@ from minfer.model.linear_method import LinearMethodBase, default_linear_method, 
 from minfer.model.registry import config_from_hf, model_class
 from minfer.model.sources import ModelSource, resolve_model
 from minfer.quantization import get_quantization_method
+from minfer.quantization.checkpoint import (SAVED_METHODS, PrequantizedLinearMethod, read_quantization_config,
+                                            unpack_checkpoint)
 
 logger = logging.getLogger(__name__)
 
@@ -261,7 +263,9 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
             `default_linear_method(device, dtype)` (the fastest CPU layout, or "nn" on a GPU).
         quantization, quantization_config: a weight-quantization method of `minfer.quantization` and its
             settings; the layers it keeps in float (the tied LM head) use `linear_method`. "gguf" reads a
-            GGUF file's Q4_0/Q4_1 blocks as stored instead of the dequantized float32 cache.
+            GGUF file's Q4_0/Q4_1 blocks as stored instead of the dequantized float32 cache. A directory whose
+            config.json has a `quantization_config` (AWQ / GPTQ, `python -m minfer.quantize`) loads its
+            saved codes (`minfer.quantization.checkpoint`); `quantization` may then be None or that method.
         max_parallel_loading_workers: threads reading checkpoint tensors (`iter_safetensors`; a GGUF's float32
             cache too); None or 1: one.
 
@@ -288,6 +292,16 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
         cfg, eos = hf_config(source.path)
         tensors = iter_safetensors(source.path, max_parallel_loading_workers)
         ckpt_dtype = cfg.torch_dtype
+        saved = read_quantization_config(source.path)
+        if saved is not None:  # a directory `python -m minfer.quantize` (or AutoAWQ / AutoGPTQ) wrote
+            if quantization not in (None, "none", saved["quant_method"]):
+                raise ValueError(f"{source.path} holds {saved['quant_method']} weights (its config.json's "
+                                 f"quantization_config); quantization={quantization!r} cannot re-quantize them")
+            quantization, saved_tensors = saved["quant_method"], unpack_checkpoint(tensors, saved, str(source.path))
+            tensors = saved_tensors
+    if quantization in SAVED_METHODS and (source.kind != "hf" or read_quantization_config(source.path) is None):
+        raise ValueError(f"quantization={quantization!r} loads a calibrated directory: run `python -m "
+                         f"minfer.quantize --model {name} --method {quantization} --out DIR`, then load DIR")
     limit = cfg.max_position_embeddings
     if (cfg.rope_scaling or {}).get("rope_type") in ("linear", "dynamic"):
         limit = int(limit * cfg.rope_scaling.get("factor", 1.0))  # these scalings stretch the trained length
@@ -298,7 +312,12 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
             "trained. Lower max_model_len, or load a checkpoint whose config extends the context.")
     dtype_ = resolve_dtype(dtype, ckpt_dtype, device)
     linear_method = linear_method or default_linear_method(device, dtype_)
-    if quantization not in (None, "none"):
+    if quantization in SAVED_METHODS:
+        if quantization_config:
+            raise ValueError(f"quantization_config={quantization_config!r}: a saved {quantization} directory "
+                             "takes its settings from its config.json")
+        linear_method = PrequantizedLinearMethod(quantization, fallback=linear_method)
+    elif quantization not in (None, "none"):
         linear_method = get_quantization_method(quantization, quantization_config, fallback=linear_method)
     build = BuildOptions(linear_method=linear_method, fused_ops=fused_ops)
     max_positions = max(cfg.max_position_embeddings, max_model_len or 0)

@@ -1,0 +1,156 @@
+"""The quality table of chapter 5: perplexity and greedy agreement per weight-quantization method.
+
+    python benchmarks/quant_quality.py [--model smollm2-135m-instruct] [--group-size 64]
+                                       [--json assets/benchmarks/quant_quality_cpu.json]
+
+For each configuration (float32, bfloat16, int8, int4 RTN at g32 and g64, AWQ and GPTQ at --group-size,
+gguf, and each `--kv-cache-dtypes` entry the build accepts): `minfer.eval.perplexity` on the first
+--max-tokens tokens of the shipped eval text in windows of --window tokens, and the greedy agreement with
+float32 over 64 tokens on 20 prompts (windows of the eval text after the scored part). AWQ and GPTQ are
+first calibrated and saved by `minfer.quantize.quantize_model` (timed) and loaded from their directories,
+the way a user runs them. Every number comes from this one run; timings are from a shared 2-core machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--group-size", type=int, default=64, help="AWQ's and GPTQ's group size")
+    p.add_argument("--max-tokens", type=int, default=20480)
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--samples", type=int, default=32, help="calibration windows of 256 tokens")
+    p.add_argument("--n-grid", type=int, default=20, help="AWQ's grid points (scale exponent; clipping: half)")
+    p.add_argument("--max-rows", type=int, default=512, help="calibration rows AWQ's scale search reads")
+    p.add_argument("--prompts", type=int, default=20)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--only", default=None, help="comma-separated subset of configuration names")
+    p.add_argument("--kv-cache-dtypes", default="int8,fp8_e4m3", help="KV dtypes to try (skipped if not built)")
+    p.add_argument("--reference-greedy-only", action="store_true",
+                   help="float32 gives only the greedy reference (no perplexity): for a second process that "
+                   "measures other configurations against the same reference, merged afterwards")
+    p.add_argument("--no-greedy", action="store_true", help="perplexity only")
+    p.add_argument("--skip-float32", action="store_true", help="no float32 row (merged from another run)")
+    p.add_argument("--reuse-calibration", action="store_true",
+                   help="load an AWQ/GPTQ directory already in --workdir instead of calibrating again")
+    p.add_argument("--workdir", default="/tmp/minfer-quant-quality")
+    p.add_argument("--json", default="assets/benchmarks/quant_quality_cpu.json")
+    args = p.parse_args(argv)
+
+    import torch
+
+    from minfer import LLM
+    from minfer.config import EngineArgs
+    from minfer.memory import weight_bytes
+    from minfer.eval import greedy_agreement, greedy_tokens, perplexity
+    from minfer.quantize import quantize_model
+
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    G = args.group_size
+    work = Path(args.workdir)
+    configs = [("float32", {}), (f"int4 g{G} RTN", {"quantization": "int4", "quantization_config": {"group_size": G}}),
+               (f"GPTQ g{G}", {"saved": "gptq"}), (f"AWQ g{G}", {"saved": "awq"}), ("int8", {"quantization": "int8"}),
+               ("int4 g32 RTN", {"quantization": "int4", "quantization_config": {"group_size": 32}}),
+               ("gguf (Q4_1 blocks)", {"quantization": "gguf"}), ("bfloat16", {"dtype": "bfloat16"})]
+    for kv in filter(None, args.kv_cache_dtypes.split(",")):
+        configs.append((f"KV {kv}", {"kv_cache_dtype": kv}))
+        configs.append((f"int4 g{G} + bf16 activations + KV {kv}",
+                        {"quantization": "int4", "quantization_config": {"group_size": G}, "kv_cache_dtype": kv}))
+    if args.only:
+        keep = set(args.only.split(","))
+        configs = [c for c in configs if c[0] in keep or (c[0] == "float32" and not args.skip_float32)]
+
+    result = {"model": args.model, "text": "minfer/data/eval_python_docs.txt", "window": args.window,
+              "max_tokens": args.max_tokens, "group_size": G, "calibration_samples": args.samples,
+              "calibration_seq_len": 256, "awq_n_grid": args.n_grid, "awq_max_rows": args.max_rows,
+              "prompts": args.prompts, "new_tokens": args.new_tokens, "machine": platform.processor() or platform.machine(),
+              "threads": torch.get_num_threads(), "note": "shared 2-core CPU machine; times are indicative",
+              "loadavg_start": os.getloadavg(), "rows": [], "calibration": {}}
+    reference = prompts = None
+    for name, kw in configs:
+        kw = dict(kw)
+        row = {"name": name, **{k: v for k, v in kw.items()}}
+        if "saved" in kw:
+            method = kw.pop("saved")
+            out = work / f"{method}-g{G}"
+            t = time.perf_counter()
+            extra = {"n_grid": args.n_grid, "max_rows": args.max_rows} if method == "awq" else {}
+            if args.reuse_calibration and (out / "config.json").is_file():
+                summary = None
+            else:
+                summary = quantize_model(args.model, method, G, out, n_samples=args.samples, seq_len=256, **extra)
+            if summary is not None:
+                result["calibration"][method] = {"seconds": time.perf_counter() - t, "out": str(out),
+                                                 "awq_losses": summary["awq_losses"]}
+            kw = {"model": str(out)}
+        else:
+            kw["model"] = args.model
+        if "kv_cache_dtype" in kw:
+            try:
+                EngineArgs(kv_cache_dtype=kw["kv_cache_dtype"])
+            except ValueError as e:
+                row["skipped"] = f"not in this build: {e}"
+                result["rows"].append(row)
+                print(name, row["skipped"], flush=True)
+                continue
+        t = time.perf_counter()
+        llm = LLM(max_model_len=args.window + 1, seed=0, **kw)
+        if prompts is None:
+            ids = llm.get_tokenizer().encode(open(Path(__file__).resolve().parents[1] / "minfer/data" /
+                                                  "eval_python_docs.txt").read(), add_special_tokens=False)
+            rest = ids[args.max_tokens:]
+            prompts = [{"prompt_token_ids": rest[i * 96:i * 96 + 32]} for i in range(args.prompts)]
+        if not (args.reference_greedy_only and reference is None):
+            res = perplexity(llm, window=args.window, max_tokens=args.max_tokens)
+            row.update(ppl=res.ppl, nll=res.nll, num_tokens=res.num_tokens, ppl_seconds=time.perf_counter() - t)
+        if not args.no_greedy:
+            toks = greedy_tokens(llm, prompts, args.new_tokens)
+            if reference is None:
+                reference = toks
+                result["reference_tokens"] = toks
+            row["greedy_agreement"] = greedy_agreement(toks, reference)
+        row["weight_bytes"] = weight_bytes(llm.llm_engine.worker.model)
+        result["rows"].append(row)
+        print(f"{name:40s} ppl {row.get('ppl', float('nan')):8.3f}  agree {row.get('greedy_agreement')}", flush=True)
+        del llm
+        gc.collect()
+        _finish(result, G, args.json)
+    _finish(result, G, args.json)
+    print("wrote", args.json)
+    return 0
+
+
+def _finish(result: dict, G: int, path: str) -> None:
+    """Ratios against float32 and AWQ's/GPTQ's share of RTN's increase recovered; write the JSON."""
+    base = result["rows"][0].get("ppl") if result["rows"] and result["rows"][0]["name"] == "float32" else None
+    if base is None:  # a --reference-greedy-only run: ratios are computed after merging
+        Path(path).write_text(json.dumps(result, indent=1))
+        return
+    for row in result["rows"]:
+        if "ppl" in row:
+            row["ppl_vs_float32"] = row["ppl"] / base - 1
+    by = {r["name"]: r for r in result["rows"]}
+    rtn = by.get(f"int4 g{G} RTN")
+    for m in ("AWQ", "GPTQ"):
+        r = by.get(f"{m} g{G}")
+        if rtn and r and "ppl" in r and rtn["ppl"] > base:
+            r["recovered_of_rtn_increase"] = (rtn["ppl"] - r["ppl"]) / (rtn["ppl"] - base)
+    result["loadavg_end"] = os.getloadavg()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

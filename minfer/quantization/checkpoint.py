@@ -1,0 +1,149 @@
+"""Loading a saved AWQ / GPTQ directory (`python -m minfer.quantize`, or any AutoAWQ "gemm" / AutoGPTQ v1
+checkpoint with sequential groups): `LLM(model=DIR)` reads `quantization_config` from its config.json.
+
+`read_quantization_config(dir)` validates the config; `unpack_checkpoint` turns each linear's packed
+tensors (`qweight`, `qzeros`, `scales`, `g_idx`; layouts in `minfer.quantization.formats`) into one tensor
+under the linear's `.weight` name: its codes `[out, in]` tagged with the parameters (`prequant`); and
+`PrequantizedLinearMethod` stores them in minfer's int4 (or int8) layout, so the model runs on the same
+kernels as `quantization="int4"` (`"int8"`). Float tensors (norms, the embedding/tied head) load as usual.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from minfer.config import INT4_GROUP_SIZES
+from minfer.model.linear_method import LinearMethodBase
+from minfer.quantization import formats
+from minfer.quantization.gguf import GGUFLinearMethod
+from minfer.quantization.int8 import Int8LinearMethod
+
+PACKED = ("qweight", "qzeros", "scales", "g_idx")
+SAVED_METHODS = ("awq", "gptq")
+
+
+def read_quantization_config(path: Path) -> dict | None:
+    """The validated `quantization_config` of the HF directory `path`, or None when it has none.
+
+    Returns {"quant_method", "bits", "group_size"} (group_size -1: one group per row).
+
+    Raises:
+        ValueError: a quant_method minfer does not read, or settings it cannot run (names the key): bits other
+            than 4 (AWQ) or 4/8 (GPTQ), a group size the int4 op lacks, AWQ without zero points or not "gemm",
+            GPTQ with act-order (desc_act).
+    """
+    from minfer.model.loader import read_json
+
+    cfg = read_json(path / "config.json").get("quantization_config")
+    if cfg is None:
+        return None
+    where = f"{path / 'config.json'}: quantization_config"
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{where} must be an object")
+    method = cfg.get("quant_method")
+    if method not in SAVED_METHODS:
+        raise ValueError(f"{where}: quant_method {method!r} is not one minfer reads ({', '.join(SAVED_METHODS)})")
+    bits = cfg.get("bits", cfg.get("w_bit"))
+    group = cfg.get("group_size", cfg.get("q_group_size"))
+    if method == "awq":
+        if bits != 4:
+            raise ValueError(f"{where}: AWQ bits={bits!r}; minfer reads 4")
+        if not cfg.get("zero_point", True) or str(cfg.get("version", "gemm")).lower() != "gemm":
+            raise ValueError(f"{where}: minfer reads AWQ with zero_point=true and version 'gemm'")
+    else:
+        if bits not in (4, 8):
+            raise ValueError(f"{where}: GPTQ bits={bits!r}; minfer reads 4 or 8")
+        if cfg.get("desc_act", False):
+            raise ValueError(f"{where}: desc_act=true (act-order) is not supported; minfer reads sequential groups")
+    if bits == 4 and group not in INT4_GROUP_SIZES:
+        raise ValueError(f"{where}: group_size={group!r}; the int4 op takes {INT4_GROUP_SIZES}")
+    if bits == 8 and group != -1:
+        raise ValueError(f"{where}: 8-bit GPTQ with group_size={group!r}; minfer reads -1 (per channel)")
+    return {"quant_method": method, "bits": bits, "group_size": group}
+
+
+def unpack_checkpoint(named: Iterable[tuple[str, torch.Tensor]], qcfg: dict, source: str
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of a saved checkpoint -> the same, with each linear's packed tensors replaced by one
+    `<linear>.weight` codes tensor tagged `prequant = (kind, scale, zero)` (int4: s, z bf16 `[out, in/G]`;
+    int8: None, scale bf16 `[out]`; the codes then int8).
+
+    Raises:
+        ValueError: a linear with some of qweight/qzeros/scales but not all (names the missing ones).
+    """
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in named:
+        prefix, _, leaf = name.rpartition(".")
+        if leaf in PACKED:
+            groups.setdefault(prefix, {})[leaf] = t
+        else:
+            yield name, t
+    for prefix, t in groups.items():
+        missing = [k for k in ("qweight", "qzeros", "scales") if k not in t]
+        if missing:
+            raise ValueError(f"{source}: {prefix} has {sorted(t)} but lacks {missing}: the quantized checkpoint "
+                             "is incomplete")
+        if qcfg["quant_method"] == "awq":
+            q, s, zp = formats.unpack_awq(t)
+        else:
+            q, s, zp = formats.unpack_gptq(t, qcfg["bits"])
+        if qcfg["bits"] == 8:
+            codes, scale = formats.to_minfer_int8(q, s, zp)
+            codes.prequant = ("int8", scale, None)
+        else:
+            codes, scale, zero = formats.to_minfer_int4(q, s, zp)
+            codes.prequant = ("int4", scale, zero)
+        yield f"{prefix}.weight", codes
+
+
+class PrequantizedLinearMethod(GGUFLinearMethod):
+    """A saved checkpoint's codes in minfer's int4 (or int8) storage; float parts (the tied head) by `fallback`.
+
+    The checkpoint parts arrive as in `GGUFLinearMethod` (a meta placeholder collects them); a layer whose
+    parts are all tagged `prequant` of one kind is stored quantized, an all-float one goes to the fallback.
+    """
+
+    name = "prequantized"
+
+    def __init__(self, method: str, fallback: LinearMethodBase | None = None):
+        super().__init__(fallback=fallback)
+        self.name = method
+        self.int8 = Int8LinearMethod(fallback=self.fallback)
+
+    def process_weights_after_loading(self, layer) -> None:
+        parts = [layer.gguf_parts[i] for i in range(len(layer.output_sizes))]
+        layer.gguf_parts = {}
+        kinds = {getattr(p, "prequant", ("float",))[0] for p in parts}
+        if len(kinds) > 1:
+            raise ValueError(f"a merged linear mixes quantized and float parts ({sorted(kinds)})")
+        kind = kinds.pop()
+        if kind == "float":
+            dtype = layer.weight.dtype
+            layer.weight = nn.Parameter(torch.cat([p.float() for p in parts]).to(dtype), requires_grad=False)
+            self.fallback.process_weights_after_loading(layer)
+            layer.prequant = None
+            return
+        del layer.weight
+        codes = torch.cat(parts)
+        if kind == "int4":
+            s = torch.cat([p.prequant[1] for p in parts])
+            z = torch.cat([p.prequant[2] for p in parts])
+            self.int4.store(layer, codes, s, z)
+        else:
+            layer.register_buffer("qweight", codes.contiguous())
+            layer.register_buffer("scales", torch.cat([p.prequant[1] for p in parts]))
+        layer.prequant = kind
+        layer.quantized = True
+
+    def _method(self, layer):
+        return {"int4": self.int4, "int8": self.int8}.get(layer.prequant, self.fallback)
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        return self._method(layer).apply(layer, x)
+
+    def weight_rows(self, layer, ids: torch.Tensor) -> torch.Tensor:
+        return self._method(layer).weight_rows(layer, ids)

@@ -1,0 +1,140 @@
+"""The saved 4-bit (and 8-bit) layouts of `python -m minfer.quantize`: AutoAWQ's "gemm" and AutoGPTQ's v1,
+the two formats vLLM's `awq` and `gptq` methods load.
+
+Both store, per quantized `nn.Linear` `W [out, in]` with groups of G consecutive inputs, integer codes q, an
+integer zero point zp and a float16 scale s per (group, output), with
+
+    w[o, i] = (q[o, i] - zp[g(i), o]) * s[g(i), o]          g(i) = i // G
+
+and pack 32 / bits codes into each int32, lowest bits first:
+
+    AWQ ("gemm")   qweight int32 [in, out/8]    8 *outputs* per int32, in the order 0 2 4 6 1 3 5 7
+                   qzeros  int32 [in/G, out/8]  same packing; zp itself
+                   scales  float16 [in/G, out]
+    GPTQ (v1)      qweight int32 [in*bits/32, out]  32/bits *inputs* per int32, in order
+                   qzeros  int32 [in/G, out*bits/32] outputs in order; zp - 1 (v1's offset: readers add 1)
+                   scales  float16 [in/G, out]
+                   g_idx   int32 [in] = i // G  (no act-order: minfer writes and reads only this)
+
+`quantization_config` (config.json): AWQ `{"quant_method": "awq", "bits": 4, "group_size": G,
+"zero_point": true, "version": "gemm"}`; GPTQ `{"quant_method": "gptq", "bits": 4|8, "group_size": G | -1,
+"desc_act": false, "sym": false|true}`. minfer converts what it reads into its own int4 op's
+w = (q - 8) s + z (z = (8 - zp) s, rounded to bfloat16) or, for 8-bit GPTQ with one group per row and zp =
+128, into its int8 storage (q - 128, s): `to_minfer_int4`, `to_minfer_int8`.
+
+Because v1 stores zp - 1 in `bits` bits, zp must be at least 1: `affine_params(..., zp_min=1)`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # output column j of a pack of 8 goes to nibble AWQ_ORDER.index(j)
+
+
+def affine_params(wg: torch.Tensor, bits: int = 4, zp_min: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min-max parameters of groups `wg [..., G]` -> (scale float32 [...], integer zero point int32 [...])
+    with zp in [zp_min, 2^bits - 1] and the scale rounded to float16 (what is saved)."""
+    qmax = 2 ** bits - 1
+    lo, hi = wg.amin(-1), wg.amax(-1)
+    scale = ((hi - lo) / qmax).clamp_min(1e-5).half().float()
+    zp = torch.round(-lo / scale).clamp(zp_min, qmax).to(torch.int32)
+    return scale, zp
+
+
+def quantize_affine(w: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, group_size: int,
+                    bits: int = 4) -> torch.Tensor:
+    """Codes int32 [out, in] of `w [out, in]` for per-group `scale`, `zp` `[out, in/G]`."""
+    out, k = w.shape
+    wg = w.reshape(out, k // group_size, group_size)
+    q = torch.round(wg / scale[..., None]) + zp[..., None]
+    return q.clamp(0, 2 ** bits - 1).to(torch.int32).reshape(out, k)
+
+
+def dequantize_affine(q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor) -> torch.Tensor:
+    """(codes [out, in], scale/zp [out, in/G]) -> float32 `[out, in]` = (q - zp) s."""
+    out, k = q.shape
+    g = scale.shape[1]
+    w = (q.reshape(out, g, k // g).float() - zp[..., None].float()) * scale[..., None].float()
+    return w.reshape(out, k)
+
+
+def _pack_last(v: torch.Tensor, bits: int, order=None) -> torch.Tensor:
+    """int codes [..., n] -> int32 [..., n*bits/32]: 32/bits consecutive entries per int32, entry j of a pack
+    at bits `bits * order.index(j)` (default: in order)."""
+    per = 32 // bits
+    v = v.to(torch.int64).reshape(*v.shape[:-1], -1, per)
+    if order is not None:
+        v = v[..., list(order)]  # slot i holds entry order[i]
+    shifts = torch.arange(per, dtype=torch.int64) * bits
+    packed = (v << shifts).sum(-1)  # in [0, 2^32): the int32's bit pattern, two's complement below
+    return torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed).to(torch.int32)
+
+
+def _unpack_last(p: torch.Tensor, bits: int, order=None) -> torch.Tensor:
+    """Inverse of `_pack_last`: int32 [..., m] -> int32 [..., m*32/bits]."""
+    per = 32 // bits
+    shifts = torch.arange(per, dtype=torch.int64) * bits
+    v = ((p.to(torch.int64) & 0xFFFFFFFF)[..., None] >> shifts) & (2 ** bits - 1)  # [..., m, per], slot order
+    if order is not None:
+        v = v[..., [list(order).index(j) for j in range(per)]]  # back to entry order
+    return v.reshape(*p.shape[:-1], -1).to(torch.int32)
+
+
+def pack_awq(q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor) -> dict[str, torch.Tensor]:
+    """minfer's (codes [out, in], scale [out, in/G], zp [out, in/G]) -> AWQ gemm tensors (module docstring)."""
+    return {"qweight": _pack_last(q.t().contiguous(), 4, AWQ_ORDER),
+            "qzeros": _pack_last(zp.t().contiguous(), 4, AWQ_ORDER),
+            "scales": scale.t().contiguous().half()}
+
+
+def unpack_awq(t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """AWQ gemm tensors -> (codes int32 [out, in], scale float32 [out, in/G], zp int32 [out, in/G])."""
+    q = _unpack_last(t["qweight"], 4, AWQ_ORDER).t().contiguous()
+    zp = _unpack_last(t["qzeros"], 4, AWQ_ORDER).t().contiguous()
+    return q, t["scales"].float().t().contiguous(), zp
+
+
+def pack_gptq(q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, bits: int = 4) -> dict[str, torch.Tensor]:
+    """minfer's (codes, scale, zp) -> GPTQ v1 tensors (module docstring). Raises ValueError for zp < 1."""
+    if int(zp.min()) < 1:
+        raise ValueError("GPTQ v1 stores zp - 1: every zero point must be >= 1 (affine_params(zp_min=1))")
+    k, g = q.shape[1], scale.shape[1]
+    return {"qweight": _pack_last(q.contiguous(), bits).t().contiguous(),
+            "qzeros": _pack_last((zp - 1).t().contiguous(), bits),
+            "scales": scale.t().contiguous().half(),
+            "g_idx": (torch.arange(k) // (k // g)).to(torch.int32)}
+
+
+def unpack_gptq(t: dict[str, torch.Tensor], bits: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPTQ v1 tensors -> (codes int32 [out, in], scale float32 [out, in/G], zp int32 [out, in/G]).
+
+    Raises:
+        ValueError: a `g_idx` that is not i // G (act-order checkpoints: not supported).
+    """
+    q = _unpack_last(t["qweight"].t().contiguous(), bits)  # [out, in]
+    zp = (_unpack_last(t["qzeros"], bits) + 1).t().contiguous()
+    scale = t["scales"].float().t().contiguous()
+    out, k = q.shape
+    if "g_idx" in t:
+        want = torch.arange(k) // (k // scale.shape[1])
+        if not torch.equal(t["g_idx"].to(torch.int64), want):
+            raise ValueError("this GPTQ checkpoint has act-order (desc_act) groups, g_idx != i // group_size: "
+                             "minfer reads only sequential groups")
+    return q, scale, zp
+
+
+def to_minfer_int4(q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor):
+    """(codes, scale, zp) -> minfer's int4 (codes uint8, s bf16, z bf16) with w = (q - 8) s + z."""
+    return q.to(torch.uint8), scale.to(torch.bfloat16), ((8 - zp.float()) * scale).to(torch.bfloat16)
+
+
+def to_minfer_int8(q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor):
+    """8-bit codes with one group per row and zp = 128 -> minfer's int8 (q int8 [out, in], scale bf16 [out]).
+
+    Raises:
+        ValueError: more than one group per row, or a zero point other than 128 (not symmetric).
+    """
+    if scale.shape[1] != 1 or not bool((zp == 128).all()):
+        raise ValueError("minfer reads 8-bit GPTQ only per output channel (group_size -1) and symmetric (sym)")
+    return (q - 128).to(torch.int8), scale[:, 0].to(torch.bfloat16)

@@ -1,0 +1,312 @@
+"""GPTQ, AWQ, the saved AWQ/GPTQ directories and perplexity (minfer/quantization/{gptq,awq,calibrate,
+formats,checkpoint}.py, minfer/quantize.py, minfer/eval.py), on random layers and a tiny random Llama.
+
+- the packed layouts round-trip, and AWQ's is checked against a plain reading of its spec;
+- GPTQ and AWQ each give a lower layer-output error than RTN on held-back rows (they can fail: the error is
+  measured, not assumed);
+- AWQ's folds leave the float model's logits unchanged;
+- a saved directory loads (`LLM(model=DIR)`) to the same logits as the same codes loaded in memory;
+- bad configs and incomplete checkpoints are clear errors;
+- perplexity equals exp(mean NLL) computed from transformers' logits on the same windows.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+
+from minfer.quantization import formats
+from minfer.quantization.awq import fake_quantize, search_clip, search_scale
+from minfer.quantization.gptq import gptq_quantize, hessian
+
+VOCAB = 64
+
+
+def _correlated_inputs(n, k, seed, outliers=0):
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(k, k, generator=g) / k ** 0.5
+    x = torch.randn(n, k, generator=g) @ mix * torch.linspace(0.2, 3, k)
+    if outliers:
+        x[:, torch.randperm(k, generator=g)[:outliers]] *= 20  # the salient channels AWQ is about
+    return x
+
+
+def _rtn(w, G, zp_min=0):
+    s, zp = formats.affine_params(w.reshape(w.shape[0], -1, G), zp_min=zp_min)
+    return formats.dequantize_affine(formats.quantize_affine(w, s, zp, G), s, zp)
+
+
+def _err(x, w_hat, w):
+    return float(((x @ (w_hat - w).t()) ** 2).mean())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gptq_layout_round_trips(bits):
+    w = torch.randn(48, 128)
+    G = 64
+    s, zp = formats.affine_params(w.reshape(48, -1, G), bits, zp_min=1)
+    q = formats.quantize_affine(w, s, zp, G, bits)
+    t = formats.pack_gptq(q, s, zp, bits)
+    assert t["qweight"].shape == (128 * bits // 32, 48) and t["qweight"].dtype == torch.int32
+    assert t["qzeros"].shape == (128 // G, 48 * bits // 32) and t["scales"].dtype == torch.float16
+    q2, s2, zp2 = formats.unpack_gptq(t, bits)
+    assert torch.equal(q2, q) and torch.equal(zp2, zp) and torch.equal(s2, s)
+    with pytest.raises(ValueError, match="act-order"):
+        formats.unpack_gptq(dict(t, g_idx=t["g_idx"].flip(0)), bits)
+    with pytest.raises(ValueError, match="zp - 1"):
+        formats.pack_gptq(q, s, zp * 0, bits)
+
+
+def test_awq_layout_matches_its_spec():
+    w = torch.randn(40, 96)
+    s, zp = formats.affine_params(w.reshape(40, -1, 32))
+    q = formats.quantize_affine(w, s, zp, 32)
+    t = formats.pack_awq(q, s, zp)
+    assert t["qweight"].shape == (96, 5) and t["qzeros"].shape == (3, 5) and t["scales"].shape == (3, 40)
+    # the spec read plainly: nibble i of qweight[k, c] is the code of output 8c + (0, 2, 4, 6, 1, 3, 5, 7)[i]
+    qw = t["qweight"].to(torch.int64) & 0xFFFFFFFF
+    for k in (0, 17, 95):
+        for c in range(5):
+            for i, col in enumerate((0, 2, 4, 6, 1, 3, 5, 7)):
+                assert int((qw[k, c] >> (4 * i)) & 15) == int(q[8 * c + col, k])
+    q2, s2, zp2 = formats.unpack_awq(t)
+    assert torch.equal(q2, q) and torch.equal(zp2, zp) and torch.equal(s2, s)
+
+
+@pytest.mark.parametrize("G", [32, 64])
+def test_gptq_beats_rtn_on_held_back_rows(G):
+    torch.manual_seed(0)
+    w = torch.randn(96, 256) * 0.05
+    x = _correlated_inputs(4096, 256, seed=1)
+    train, held = x[:2048], x[2048:]
+    q, s, zp = gptq_quantize(w, hessian(train), G)
+    gptq = _err(held, formats.dequantize_affine(q, s, zp), w)
+    rtn = _err(held, _rtn(w, G, zp_min=1), w)
+    assert gptq < 0.9 * rtn, (gptq, rtn)
+    assert int(zp.min()) >= 1 and int(q.max()) <= 15
+
+
+def test_gptq_with_identity_hessian_is_rtn():
+    """With uncorrelated unit inputs there is no error to move (H^-1 diagonal): GPTQ rounds as RTN does."""
+    w = torch.randn(16, 64)
+    q, s, zp = gptq_quantize(w, torch.eye(64), 32, percdamp=0.0)
+    assert torch.equal(formats.dequantize_affine(q, s, zp), _rtn(w, 32, zp_min=1))
+
+
+def test_awq_scales_and_clipping_beat_rtn_on_held_back_rows():
+    torch.manual_seed(0)
+    w = torch.randn(128, 256) * 0.05
+    x = _correlated_inputs(2048, 256, seed=2, outliers=4)
+    train, held = x[:1024], x[1024:]
+    rtn = _err(held, fake_quantize(w, 64), w)
+    s, losses = search_scale(train, w, 64)
+    assert losses[0] == pytest.approx(_err(train, fake_quantize(w, 64), w), rel=1e-4)  # alpha 0: RTN itself
+    scaled = fake_quantize(w * s, 64) / s
+    awq = _err(held, scaled, w)
+    clipped = fake_quantize(search_clip(train[:256] / s, w * s, 64), 64) / s
+    assert awq < 0.8 * rtn, (awq, rtn)
+    assert _err(held, clipped, w) <= awq * 1.02
+
+
+# -- a tiny random Llama, saved as an HF directory ------------------------------------------------------
+def _save_tiny(path, seed=0):
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   bos_token_id=0, eos_token_id=1, tie_word_embeddings=True)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:  # salient input channels, as trained models have
+            layer.input_layernorm.weight[:3] = 8.0
+        model.model.embed_tokens.weight.mul_(20.0)
+    model.save_pretrained(path)
+    words = [f"w{i}" for i in range(VOCAB)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[2]))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=words[0], eos_token=words[1],
+                                         unk_token=words[2]).save_pretrained(path)
+    return path
+
+
+def _text(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return " ".join(f"w{int(i)}" for i in torch.randint(3, VOCAB, (n,), generator=g))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(_save_tiny(tmp_path_factory.mktemp("tiny") / "m"))
+
+
+def _logits(model, ids):
+    from minfer.attention import ForwardContext
+    from minfer.attention.torch_ref import ContiguousBackend
+
+    cfg = model.config
+    cache = ContiguousBackend(cfg.num_hidden_layers, len(ids), cfg.num_key_value_heads, cfg.head_dim,
+                              torch.float32)
+    with torch.no_grad():
+        h = model(torch.tensor(ids), ForwardContext(cache, positions=torch.arange(len(ids)), start_pos=0))
+        return model.compute_logits(h)
+
+
+def test_awq_folds_leave_the_float_model_unchanged(tiny):
+    from minfer.quantization.calibrate import fold_scales, load_for_calibration
+
+    m = load_for_calibration(tiny).model
+    ids = list(range(3, 40))
+    before = _logits(m, ids)
+    g = torch.Generator().manual_seed(0)
+    cfg = m.config
+    for layer in m.model.layers:
+        fold_scales(layer, cfg, {k: torch.rand(n, generator=g) * 4 + 0.25 for k, n in (
+            ("qkv", 64), ("o", cfg.num_key_value_heads * cfg.head_dim), ("gate_up", 64), ("down", 128))})
+    after = _logits(m, ids)
+    assert float((after - before).abs().max()) <= 1e-4 * float(before.abs().max())
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq", "int4", "int8"])
+def test_saved_directory_round_trips(tiny, tmp_path, method, monkeypatch):
+    from minfer import LLM
+    from minfer.model.linear_method import UnquantizedLinearMethod
+    from minfer.model.loader import load_model
+    from minfer.quantization import calibrate as cal
+    from minfer.quantization.checkpoint import PrequantizedLinearMethod
+    from minfer.quantize import quantize_model
+
+    captured = {}
+    real = cal.calibrate
+
+    def spy(*a, **k):
+        captured["qw"] = real(*a, **k)
+        return captured["qw"]
+
+    monkeypatch.setattr("minfer.quantize.calibrate", spy)
+    summary = quantize_model(tiny, method, 32, tmp_path / method, n_samples=8, seq_len=64, use_tqdm=False,
+                             calib_text=_text(4000))
+    cfgj = json.loads((tmp_path / method / "config.json").read_text())
+    assert cfgj["quantization_config"]["quant_method"] == ("awq" if method == "awq" else "gptq")
+    if method == "awq":
+        assert len(summary["awq_losses"]) == 2 and len(summary["awq_losses"][0]["qkv"]) == 20
+
+    llm = LLM(model=str(tmp_path / method), max_model_len=128, seed=0)
+    model = llm.llm_engine.worker.model
+    layer = model.model.layers[0].self_attn.qkv_proj
+    assert layer.quantized and layer.layout == ("awq" if method == "awq" else "gptq")
+    ids = list(range(3, 40))
+    loaded = _logits(model, ids)
+
+    # in memory: the same codes, with no file, through the same method
+    if method == "int8":
+        from minfer.quantize import quantize_int8_weights
+        qw = quantize_int8_weights(cal.load_for_calibration(tiny).model)
+    else:
+        qw = captured["qw"]
+
+    def tensors():
+        for name, t in qw.float_state.items():
+            yield name, t
+        for name, (q, s, zp) in qw.linears.items():
+            s = s.half().float()  # what the file keeps
+            if qw.bits == 8:
+                codes, scale = formats.to_minfer_int8(q, s, zp)
+                codes.prequant = ("int8", scale, None)
+            else:
+                codes, sc, z = formats.to_minfer_int4(q, s, zp)
+                codes.prequant = ("int4", sc, z)
+            yield f"{name}.weight", codes
+
+    monkeypatch.setattr("minfer.model.loader.unpack_checkpoint", lambda named, qcfg, source: tensors())
+    mem = load_model(str(tmp_path / method)).model
+    assert torch.equal(_logits(mem, ids), loaded)
+    assert isinstance(mem.model.layers[0].mlp.down_proj.method, PrequantizedLinearMethod)
+
+    # and the quantized model is close to the float one (a sanity bound, not the round trip)
+    ref = _logits(load_model(tiny, dtype="float32", linear_method=UnquantizedLinearMethod()).model, ids)
+    assert float((loaded - ref).abs().max()) < 0.5 * float(ref.abs().max())
+
+
+def test_saved_directory_errors(tiny, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from minfer import LLM
+    from minfer.quantize import quantize_model
+
+    d = tmp_path / "g"
+    quantize_model(tiny, "int4", 32, d, use_tqdm=False, calib_text=_text(100))
+    with pytest.raises(ValueError, match="cannot re-quantize"):
+        LLM(model=str(d), quantization="int8")
+    with pytest.raises(ValueError, match="unknown key"):
+        LLM(model=str(d), quantization="gptq", quantization_config={"group_size": 64})
+    with pytest.raises(ValueError, match="loads a calibrated directory"):
+        LLM(model=tiny, quantization="awq")
+    t = load_file(str(d / "model.safetensors"))
+    del t["model.layers.1.mlp.down_proj.scales"]
+    save_file(t, str(d / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"down_proj .* lacks \['scales'\]"):
+        LLM(model=str(d))
+    cfg = json.loads((d / "config.json").read_text())
+    for bad, match in (({"quant_method": "fp8"}, "not one minfer reads"),
+                       ({"quant_method": "gptq", "bits": 3, "group_size": 32}, "bits=3"),
+                       ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True}, "desc_act"),
+                       ({"quant_method": "awq", "bits": 4, "group_size": 48}, "group_size=48")):
+        (d / "config.json").write_text(json.dumps(dict(cfg, quantization_config=bad)))
+        with pytest.raises(ValueError, match=match):
+            LLM(model=str(d))
+
+
+def test_quantize_cli_errors(tiny, tmp_path, capsys):
+    from minfer.quantize import main
+
+    assert main(["--model", tiny, "--method", "int4", "--group-size", "48", "--out", str(tmp_path / "x")]) == 2
+    assert "group_size must be one of" in capsys.readouterr().err
+    assert main(["--model", tiny, "--method", "int4", "--group-size", "128", "--out", str(tmp_path / "x")]) == 2
+    assert "does not divide" in capsys.readouterr().err
+
+
+def test_perplexity_equals_transformers_nll(tiny):
+    import transformers
+
+    from minfer import LLM
+    from minfer.eval import perplexity, token_windows
+
+    text = _text(700, seed=3)
+    llm = LLM(model=tiny, max_model_len=128, seed=0)
+    res = perplexity(llm, text, window=100, max_tokens=None, use_tqdm=False)
+    ids = llm.get_tokenizer().encode(text, add_special_tokens=False)
+    assert res.num_windows == len(ids) // 100 >= 5 and res.num_tokens == res.num_windows * 99
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    nll, n = 0.0, 0
+    with torch.no_grad():
+        for w in token_windows(ids, 100):
+            lp = torch.log_softmax(hf(torch.tensor([w])).logits[0].double(), -1)
+            nll -= float(lp[torch.arange(99), torch.tensor(w[1:])].sum())
+            n += 99
+    assert res.nll == pytest.approx(nll / n, rel=1e-4)
+    assert res.ppl == pytest.approx(math.exp(nll / n), rel=1e-3)
+    with pytest.raises(ValueError, match="fewer than one window"):
+        token_windows(ids[:50], 100)
+    with pytest.raises(ValueError, match="at least 2"):
+        token_windows(ids, 1)
+
+
+def test_greedy_agreement_counts_to_the_first_difference():
+    from minfer.eval import greedy_agreement
+
+    assert greedy_agreement([[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 4], [5, 6]]) == pytest.approx(4 / 6)
+    with pytest.raises(ValueError):
+        greedy_agreement([[1]], [])
+
+
+def test_shipped_texts_are_disjoint_and_long_enough():
+    from minfer.eval import load_text
+
+    ev, cal = load_text("eval"), load_text("calib")
+    assert len(ev) > 100_000 and len(cal) > 60_000
+    assert ev[:2000] not in cal and cal[:2000] not in ev
+    with pytest.raises(ValueError, match="unknown text"):
+        load_text("train")
