@@ -220,21 +220,16 @@ def check_kv_offload(ctx: RecapContext, context_tokens: int = 4096) -> Evidence:
 # -- 8. sampling vs beam search -------------------------------------------------------------------------
 
 def check_sampling_vs_beam(ctx: RecapContext, prompt: str = "Once upon a time", seeds=(1, 2, 3)) -> Evidence:
-    """Seeded sampling at temperature 1 gives different continuations; beam search (or greedy, beam width 1,
-    where beam search is not built) gives the same output on every run."""
+    """Seeded sampling at temperature 1 gives different continuations; beam search gives the same output on
+    every run."""
+    from minfer import BeamSearchParams
+
     llm = ctx.llm
     sampled = [llm.generate(prompt, SamplingParams(temperature=1.0, seed=s, max_tokens=12))[0].outputs[0].text
                for s in seeds]
-    if hasattr(llm, "beam_search"):
-        from minfer import BeamSearchParams
-
-        runs = [llm.beam_search([{"prompt": prompt}], BeamSearchParams(beam_width=2, max_tokens=12))[0]
-                .sequences[0].text for _ in range(2)]
-        kind = "beam search (width 2)"
-    else:
-        runs = [llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
-                for _ in range(2)]
-        kind = "greedy (beam width 1)"
+    runs = [llm.beam_search([{"prompt": prompt}], BeamSearchParams(beam_width=2, max_tokens=12))[0]
+            .sequences[0].text for _ in range(2)]
+    kind = "beam search (width 2)"
     lines = [f"sampling, seeds {list(seeds)}: {len(set(sampled))} distinct outputs: {sampled}",
              f"{kind}, two runs: {'identical' if runs[0] == runs[1] else 'different'}: {runs[0]!r}"]
     ok = len(set(sampled)) > 1 and runs[0] == runs[1]
