@@ -112,7 +112,8 @@ def run_driver(which: str, args, workload_path: str, kv_gib: int) -> dict:
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     wall = time.time() - t0
     if p.returncode != 0:
-        raise RuntimeError(f"{which} driver exited with {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+        why = " (SIGKILL: most likely the kernel's OOM killer; try fewer --num-requests)" if p.returncode == -9 else ""
+        raise RuntimeError(f"{which} driver exited with {p.returncode}{why}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     res = json.loads(Path(out).read_text())
     os.unlink(out)
     res["load_average_1min"] = [round(load0, 2), round(os.getloadavg()[0], 2)]  # at the start and the end
