@@ -1,0 +1,53 @@
+"""The pure helpers of `benchmarks/peer_vllm.py` (the benchmark itself runs vLLM and is never a test)."""
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from minfer.kv_cache import bytes_per_block
+
+spec = importlib.util.spec_from_file_location("peer_vllm", Path(__file__).parents[1] / "benchmarks" / "peer_vllm.py")
+peer_vllm = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(peer_vllm)
+
+
+@pytest.mark.parametrize("head_dim", [64, None])
+def test_kv_bytes_per_token_matches_the_paged_pool(head_dim):
+    config = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30}
+    if head_dim:
+        config["head_dim"] = head_dim
+    cfg = SimpleNamespace(num_hidden_layers=30, num_key_value_heads=3, head_dim=576 // 9)
+    assert peer_vllm.kv_bytes_per_token(config) * 16 == bytes_per_block(cfg, 16, torch.float32)
+
+
+def test_kv_pool_gib_rounds_up_with_margin():
+    gib = 1 << 30
+    assert peer_vllm.kv_pool_gib(1, 1) == 1
+    assert peer_vllm.kv_pool_gib(gib // 1000, 1000, margin=1.0) == 1
+    assert peer_vllm.kv_pool_gib(gib // 1000 + 1, 1000, margin=1.0) == 2
+    assert peer_vllm.kv_pool_gib(gib, 1, margin=1.25) == 2
+
+
+def _run(out_tok_s, b1, decode, load):
+    return {"throughput": {"output_tok_s": out_tok_s}, "batch1": {"tok_s": b1, "decode_tok_s": decode}, "load_s": load}
+
+
+def test_summarize_medians_and_ratios():
+    runs = {"vllm": [_run(10, 20, 21, 30), _run(30, 40, 41, 10), _run(20, 30, 31, 20)],
+            "minfer": [_run(40, 15, None, 5), _run(20, 25, 26, 7), _run(30, 35, 36, 6)]}
+    s = peer_vllm.summarize(runs)
+    assert s["medians"]["vllm"] == {"throughput_output_tok_s": 20, "batch1_tok_s": 30, "batch1_decode_tok_s": 31,
+                                    "load_s": 20}
+    assert "batch1_decode_tok_s" not in s["medians"]["minfer"]  # a missing value drops the metric, not the run
+    assert s["minfer_over_vllm"] == pytest.approx({"throughput_output_tok_s": 1.5, "batch1_tok_s": 25 / 30,
+                                                   "load_s": 0.3})
+
+
+def test_compare_outputs():
+    r = peer_vllm.compare_outputs([[1, 2, 3, 4], [5, 6], [7]], [[1, 2, 9, 9], [5, 6], [8]])
+    assert r == {"identical": 1, "of": 3, "mean_common_prefix_fraction": pytest.approx((0.5 + 1 + 0) / 3)}
+    with pytest.raises(ValueError):
+        peer_vllm.compare_outputs([[1]], [])
