@@ -43,6 +43,9 @@ class UniProcExecutor:
     """One worker, in the engine's process. `driver_worker` is that worker (vLLM's name)."""
 
     def __init__(self, args: EngineArgs):
+        from minfer.parallel.parallel_state import check_no_parallel_job
+
+        check_no_parallel_job()  # a parallel engine still alive here would make this model one of its shards
         self.driver_worker = Worker(args)
 
     def profile_forward(self, num_tokens: int) -> None:
@@ -100,8 +103,9 @@ class MultiprocExecutor:
     def __init__(self, args: EngineArgs):
         from minfer.model.loader import read_model_config
         from minfer.model.sources import resolve_model
-        from minfer.parallel.parallel_state import get_parallel_state, init_parallel
+        from minfer.parallel.parallel_state import check_no_parallel_job, get_parallel_state, init_parallel
 
+        check_no_parallel_job()
         verify_parallel_config(read_model_config(resolve_model(args.model)), args.tensor_parallel_size,
                                args.pipeline_parallel_size)
         self.args, self.world = args, args.world_size

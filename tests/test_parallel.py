@@ -328,6 +328,23 @@ def test_dead_worker_fails_requests_without_hanging(rand_model):
         ex.shutdown()
 
 
+@pytest.mark.timeout(180)
+def test_second_llm_while_a_parallel_one_lives_is_a_clear_error(rand_model):
+    """`llm = LLM(tp=2)` then `llm = LLM()`: the second is built while the first still holds this process's
+    parallel state; it must refuse (found by a new user: it gave garbage), and work once the first is shut down."""
+    tp2 = LLM(model=rand_model, max_model_len=64, attention_backend="torch", tensor_parallel_size=2,
+              kv_cache_memory_bytes=4 * MIB)
+    try:
+        for kw in ({}, {"pipeline_parallel_size": 2}):
+            with pytest.raises(ValueError, match="still rank 0 of a tensor/pipeline-parallel engine"):
+                LLM(model=rand_model, max_model_len=64, attention_backend="torch", kv_cache_memory_bytes=4 * MIB,
+                    **kw)
+    finally:
+        tp2.llm_engine.executor.shutdown()
+    one = LLM(model=rand_model, max_model_len=64, attention_backend="torch", kv_cache_memory_bytes=4 * MIB)
+    assert len(one.generate([[5, 6, 7]], PARAMS)[0].outputs[0].token_ids) == PARAMS.max_tokens
+
+
 @needs_default_model
 @pytest.mark.slow
 @pytest.mark.timeout(600)

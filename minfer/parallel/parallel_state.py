@@ -135,6 +135,22 @@ def destroy_parallel() -> None:
     _STATE = ParallelState()
 
 
+def check_no_parallel_job() -> None:
+    """Refuse to build a second engine while this process is a rank of a tensor/pipeline-parallel one.
+
+    The parallel state is per process (every layer reads it while it is built), so an `LLM` created while a
+    parallel `LLM` is still alive would be built as that job's shard: wrong output, or a crash, without this.
+
+    Raises:
+        ValueError: this process is a rank of a parallel job (tp or pp > 1) that has not been shut down.
+    """
+    if _STATE.world_size > 1 or dist.is_initialized():
+        raise ValueError(
+            f"this process is still rank {_STATE.rank} of a tensor/pipeline-parallel engine (tp {_STATE.tp_size} "
+            f"x pp {_STATE.pp_size}): shut it down before building another LLM (`del llm; gc.collect()`, or "
+            "`llm.llm_engine.executor.shutdown()`); one process holds one parallel job at a time")
+
+
 def set_parallel_state(state: ParallelState) -> ParallelState:
     """Replace the state (tests build one rank's shard in one process this way, without a process group).
     Returns the previous state."""
