@@ -178,3 +178,15 @@ def test_article_command_serves_generate_and_openai_routes():
     text = Path(log).read_text()
     os.unlink(log)
     assert "Traceback" not in text, text[-3000:]
+
+
+@pytest.mark.parametrize("flag, dtype, want", [("fp16", "float16", "auto"), ("fp16", "float32", "float16"),
+                                               ("bf16", "auto", "bfloat16"), ("int8", "float32", "int8"),
+                                               ("auto", "bfloat16", "auto")])
+def test_kv_cache_dtype_flag_means_what_the_engine_takes(flag, dtype, want):
+    """The article's `--kv-cache-dtype fp16`: the model's dtype when --dtype is float16, else a float16 cache
+    (the engine stores one, chapter 5); quantized names pass through (a new user found fp16 refused here)."""
+    from minfer.serve.__main__ import build_parser, engine_args_from
+
+    args = engine_args_from(build_parser().parse_args(["--kv-cache-dtype", flag, "--dtype", dtype]))
+    assert args.kv_cache_dtype == want
