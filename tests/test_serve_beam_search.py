@@ -204,6 +204,14 @@ def test_chat_beam_search(chat_served, model):
     events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
     assert events[0]["choices"][0]["delta"]["role"] == "assistant"
     assert [c["delta"]["content"] for e in events[1:] for c in e["choices"]] == [s.text for s in want.sequences[:2]]
+    # chat's beam path takes the fallbacks' fields as completions' does
+    body = {"model": "tiny", "use_beam_search": True, "n": 2, "max_tokens": 2, "messages": msgs}
+    r = client.post("/v1/chat/completions", json={**body, "truncate_prompt_tokens": 3})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 3 < len(ids), r.text
+    for bad, param in ((dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+                       (dict(request_timeout=0.05), "request_timeout"), (dict(request_timeout="abc"), "request_timeout")):
+        r = client.post("/v1/chat/completions", json={**body, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert engine.all_blocks_free()
 
 

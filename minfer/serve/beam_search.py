@@ -3,7 +3,9 @@
 The request's beam width is `best_of` if given, else `n`; the answer's `choices` are the `n` best beams of each
 prompt, best score first (choice `i * n + j` is beam `j` of prompt `i`, as OpenAI numbers completions). The
 fields beam search reads: `n`, `best_of`, `max_tokens` (default 16, capped to what max_model_len leaves, as
-for sampling), `temperature`, `length_penalty`, `early_stopping`, `ignore_eos`, `include_stop_str_in_output`.
+for sampling), `temperature`, `length_penalty`, `early_stopping`, `ignore_eos`, `include_stop_str_in_output`,
+and of the fallbacks (`serve.fallbacks`) `truncate_prompt_tokens` and the KV-pressure cap; `request_timeout`
+is a 400 (the search cannot stop at a deadline).
 A sampling-only field set to anything but its default (`top_p`, `stop`, `logprobs`, ...) is refused with a
 400 naming it, rather than ignored. `/v1/chat/completions` takes `use_beam_search` too (the conversation
 rendered with the chat template; the beams are assistant messages), and `stream: true` sends each finished
