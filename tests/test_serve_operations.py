@@ -362,7 +362,8 @@ def test_legacy_generate_bad_input_is_400_and_loses_nothing():
         named = [({"skip_special_tokens": "no"}, "skip_special_tokens"), ({"ignore_eos": "no"}, "ignore_eos"),
                  ({"include_stop_str_in_output": 0}, "include_stop_str_in_output"),
                  ({"guided_decoding": {"regex": "("}}, "guided_decoding"),
-                 ({"guided_decoding": {"json": "{bad"}}, "guided_decoding"), ({"request_timeout": "5"}, "request_timeout")]
+                 ({"guided_decoding": {"json": "{bad"}}, "guided_decoding"),
+                 ({"request_timeout": "5"}, "request_timeout")]
         for bad in bad_bodies + [{"prompt": "Hi", "max_tokens": 3, **fields} for fields, _ in named]:
             r = httpx.post(url + "/generate", json=bad)
             assert r.status_code == 400, (bad, r.status_code, r.text)
