@@ -6,7 +6,7 @@ silent change of a request:
 
 | fallback | asked for by | what the client sees |
 | --- | --- | --- |
-| shed load | `--max-waiting-requests N` (N >= 1) | 503 with `Retry-After` when N requests already wait for their first token (400 for one request of more than N prompts: it could never be admitted) |
+| shed load | `--max-waiting-requests N` (N >= 1) | 503 with `Retry-After` when N requests already wait for their first token; 400 for more than N prompts in one request (never admissible) |
 | time limit | `--request-timeout S` or the body's `request_timeout` | what was generated so far, `finish_reason: "timeout"` |
 | keep the prompt's tail | the body's `truncate_prompt_tokens: N` (vLLM's) | only the last N prompt tokens run; `usage.prompt_tokens` says N |
 | lower the token cap | `--kv-pressure-threshold F --kv-pressure-max-tokens M` | max_tokens cut to M while KV usage >= F; the answer's `fallback` and the `X-Max-Tokens-Capped` header say so |
