@@ -149,6 +149,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.stop_token_ids must be a list of non-negative integers, "
                              f"got {self.stop_token_ids!r}")
         self.stop_token_ids = ids
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            setattr(self, name, _as_bool(getattr(self, name), f"SamplingParams.{name}"))
 
     def _number(self, name: str, convert, ok, allowed: str, optional: bool = False):
         """Field `name` as a plain int or float (`convert`: `_as_int` / `_as_float`), or None if `optional`.
@@ -248,6 +250,16 @@ def _as_float(value) -> float | None:
     return None
 
 
+def _as_bool(value, name: str) -> bool:
+    """`value` as a plain bool when it is a real boolean (Python's or NumPy's), else ValueError naming `name`.
+
+    Checked, not coerced: the string "no" is truthy (`"ignore_eos": "no"` would silently ignore EOS), and
+    a non-bool that reached the detokenizer raised there, failing every request of the engine step."""
+    if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")):
+        return bool(value)
+    raise ValueError(f"{name} must be a boolean (True or False), got {value!r:.80}")
+
+
 @dataclass
 class GuidedDecodingParams:
     """What the output must match (vLLM's `GuidedDecodingParams`); exactly one field is set.
@@ -345,3 +357,6 @@ class BeamSearchParams:
             raise ValueError("BeamSearchParams.early_stopping must be True, False or 'never', "
                              f"got {self.early_stopping!r}")
         self.beam_width, self.max_tokens, self.temperature, self.length_penalty = w, m, t, lp
+        self.ignore_eos = _as_bool(self.ignore_eos, "BeamSearchParams.ignore_eos")
+        self.include_stop_str_in_output = _as_bool(self.include_stop_str_in_output,
+                                                   "BeamSearchParams.include_stop_str_in_output")

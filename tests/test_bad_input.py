@@ -23,10 +23,25 @@ def assert_clean(llm):
     (dict(stop=5), "stop"), (dict(stop_token_ids=5), "stop_token_ids"), (dict(max_tokens=True), "max_tokens"),
     (dict(seed=True), "seed"), (dict(seed=2 ** 64), "seed"), (dict(top_p=True), "top_p"), (dict(top_k=True), "top_k"),
     (dict(min_p=False), "min_p"),
+    # booleans are checked, not coerced: "no" is truthy, and reached the detokenizer (failing the whole batch)
+    (dict(skip_special_tokens="no"), "skip_special_tokens"), (dict(ignore_eos="no"), "ignore_eos"),
+    (dict(include_stop_str_in_output=1), "include_stop_str_in_output"), (dict(ignore_eos=None), "ignore_eos"),
 ])
 def test_sampling_params_bounds(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_boolean_fields_take_real_booleans_only():
+    import numpy as np
+
+    from minfer import BeamSearchParams
+
+    p = SamplingParams(ignore_eos=np.bool_(True), skip_special_tokens=False)
+    assert p.ignore_eos is True and p.skip_special_tokens is False  # NumPy's bool stored as Python's
+    for name in ("ignore_eos", "include_stop_str_in_output"):
+        with pytest.raises(ValueError, match=f"BeamSearchParams.{name} must be a boolean"):
+            BeamSearchParams(beam_width=2, max_tokens=3, **{name: "no"})
 
 
 @pytest.mark.parametrize("kwargs, field", [

@@ -134,6 +134,12 @@ def test_beam_search_waits_for_running_requests(served, reference_llm):
     (dict(echo=True), "echo"),
     (dict(use_beam_search="yes"), "use_beam_search"),
     (dict(n=8, max_tokens=100), "max_tokens"),  # 8 beams x 100 tokens cannot fit in 16 blocks
+    # the sampling path's fallbacks: validated as there; a time limit is refused (the search cannot stop midway)
+    (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+    (dict(truncate_prompt_tokens=1.5), "truncate_prompt_tokens"),
+    (dict(request_timeout=0.05), "request_timeout"),
+    (dict(request_timeout="abc"), "request_timeout"),
+    (dict(include_stop_str_in_output="no"), "include_stop_str_in_output"),
 ])
 def test_bad_values_are_400_with_openai_error_body(served, fields, param):
     client, engine = served
@@ -143,6 +149,29 @@ def test_bad_values_are_400_with_openai_error_body(served, fields, param):
     assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
     assert err["param"] == param and err["message"]
     assert engine.all_blocks_free() and not engine.has_unfinished_requests()
+
+
+def test_truncate_prompt_tokens_and_kv_pressure_cap_apply_to_beams(model):
+    """truncate_prompt_tokens keeps the prompt's tail as without beams; under KV pressure the beams' max_tokens
+    is capped and the answer says so (`fallback`, X-Max-Tokens-Capped)."""
+    from minfer.serve.fallbacks import FallbackConfig
+
+    llm = LLM(model=model, **ENGINE)
+    app = build_app(llm.llm_engine, served_model_names=["tiny"], log_requests=False,
+                    fallbacks=FallbackConfig(kv_pressure_threshold=0.0, kv_pressure_max_tokens=2))
+    with TestClient(app) as client:
+        whole = _post(client, prompt=ID_PROMPTS[0], n=2, max_tokens=2, ignore_eos=True).json()
+        r = _post(client, prompt=ID_PROMPTS[0], n=2, max_tokens=2, ignore_eos=True, truncate_prompt_tokens=3)
+        assert r.status_code == 200, r.text
+        assert whole["usage"]["prompt_tokens"] == 7 and r.json()["usage"]["prompt_tokens"] == 3
+        tail = _post(client, prompt=ID_PROMPTS[0][-3:], n=2, max_tokens=2, ignore_eos=True).json()
+        assert [c["text"] for c in r.json()["choices"]] == [c["text"] for c in tail["choices"]]
+        r = _post(client, prompt=PROMPTS[0], n=2, max_tokens=6, ignore_eos=True)
+        assert r.status_code == 200, r.text
+        capped = r.json()["fallback"]["max_tokens_capped"]
+        assert (capped["requested"], capped["granted"], capped["threshold"]) == ([6], 2, 0.0)
+        assert r.headers["X-Max-Tokens-Capped"] == "2" and r.json()["usage"]["completion_tokens"] == 2 * 2
+        assert llm.llm_engine.all_blocks_free()
 
 
 def test_streamed_beams_equal_the_answer(served):
@@ -174,6 +203,15 @@ def test_chat_beam_search(chat_served, model):
     events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
     assert events[0]["choices"][0]["delta"]["role"] == "assistant"
     assert [c["delta"]["content"] for e in events[1:] for c in e["choices"]] == [s.text for s in want.sequences[:2]]
+    # chat's beam path takes the fallbacks' fields as completions' does
+    body = {"model": "tiny", "use_beam_search": True, "n": 2, "max_tokens": 2, "messages": msgs}
+    r = client.post("/v1/chat/completions", json={**body, "truncate_prompt_tokens": 3})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 3 < len(ids), r.text
+    for bad, param in ((dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+                       (dict(request_timeout=0.05), "request_timeout"),
+                       (dict(request_timeout="abc"), "request_timeout")):
+        r = client.post("/v1/chat/completions", json={**body, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert engine.all_blocks_free()
 
 

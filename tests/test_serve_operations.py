@@ -246,7 +246,20 @@ def test_kv_pressure_caps_max_tokens_and_says_so():
         assert r.json()["usage"]["completion_tokens"] == 10 and "fallback" not in r.json()
 
 
-@pytest.mark.parametrize("kw", [dict(max_waiting_requests=-1), dict(request_timeout=0),
+def test_a_request_that_can_never_fit_the_waiting_limit_is_400_not_503():
+    """More prompts in one request than --max-waiting-requests could ever admit: a 400 saying so (a 503 would
+    be retried forever). n counts once (one engine request per prompt): n=3 is served."""
+    with _serve(fallbacks=FallbackConfig(max_waiting_requests=2)) as url:
+        r = httpx.post(url + "/v1/completions", json={"prompt": ["alpha", "beta", "gamma"], "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert "--max-waiting-requests 2" in r.json()["error"]["message"] and "Retry-After" not in r.headers
+        r = httpx.post(url + "/v1/completions", json={"prompt": ["alpha", "beta"], "n": 3, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        _all_free(url)
+        assert 'kind="shed"' not in httpx.get(url + "/metrics").text  # refused, not shed
+
+
+@pytest.mark.parametrize("kw", [dict(max_waiting_requests=-1), dict(max_waiting_requests=0), dict(request_timeout=0),
                                 dict(kv_pressure_threshold=0.5), dict(kv_pressure_threshold=2, kv_pressure_max_tokens=4),
                                 dict(kv_pressure_threshold=0.5, kv_pressure_max_tokens=0)])
 def test_bad_fallback_settings_refused(kw):
@@ -344,10 +357,22 @@ def test_legacy_generate_bad_input_is_400_and_loses_nothing():
                       {"prompt": "a", "bogus_field": 1}, {"prompt": "a", "temperature": -1},
                       {"prompt": "a", "max_tokens": 0}, {"prompt": "a", "n": 10**6},
                       {"prompt": " ".join(["alpha"] * 300)}, {"prompt": "a", "truncate_prompt_tokens": 0}]
-        for bad in bad_bodies:
+        # each names its field: booleans must be booleans ("no" is truthy), a guided regex that does not
+        # compile is the guided field's error, a string timeout shows as a string
+        named = [({"skip_special_tokens": "no"}, "skip_special_tokens"), ({"ignore_eos": "no"}, "ignore_eos"),
+                 ({"include_stop_str_in_output": 0}, "include_stop_str_in_output"),
+                 ({"guided_decoding": {"regex": "("}}, "guided_decoding"),
+                 ({"guided_decoding": {"json": "{bad"}}, "guided_decoding"),
+                 ({"request_timeout": "5"}, "request_timeout")]
+        for bad in bad_bodies + [{"prompt": "Hi", "max_tokens": 3, **fields} for fields, _ in named]:
             r = httpx.post(url + "/generate", json=bad)
             assert r.status_code == 400, (bad, r.status_code, r.text)
             assert "message" in r.json()["error"]
+        for fields, param in named:
+            for stream in (False, True):
+                r = httpx.post(url + "/generate", json={"prompt": "Hi", "max_tokens": 3, "stream": stream, **fields})
+                assert r.status_code == 400 and r.json()["error"]["param"] == param, (fields, r.text)
+        assert "'5'" in r.json()["error"]["message"]  # request_timeout "5": not "got 5"
         r = httpx.post(url + "/generate", content=b"{not json", headers={"Content-Type": "application/json"})
         assert r.status_code == 400
         t.join(60)

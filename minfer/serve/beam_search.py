@@ -3,7 +3,9 @@
 The request's beam width is `best_of` if given, else `n`; the answer's `choices` are the `n` best beams of each
 prompt, best score first (choice `i * n + j` is beam `j` of prompt `i`, as OpenAI numbers completions). The
 fields beam search reads: `n`, `best_of`, `max_tokens` (default 16, capped to what max_model_len leaves, as
-for sampling), `temperature`, `length_penalty`, `early_stopping`, `ignore_eos`, `include_stop_str_in_output`.
+for sampling), `temperature`, `length_penalty`, `early_stopping`, `ignore_eos`, `include_stop_str_in_output`,
+and of the fallbacks (`serve.fallbacks`) `truncate_prompt_tokens` and the KV-pressure cap; `request_timeout`
+is a 400 (the search cannot stop at a deadline).
 A sampling-only field set to anything but its default (`top_p`, `stop`, `logprobs`, ...) is refused with a
 400 naming it, rather than ignored. `/v1/chat/completions` takes `use_beam_search` too (the conversation
 rendered with the chat template; the beams are assistant messages), and `stream: true` sends each finished
@@ -25,11 +27,12 @@ import time
 import uuid
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minfer.beam_search import run_beam_search
 from minfer.sampling_params import BeamSearchParams, SamplingParams
 from minfer.sequence import validate_prompt
+from minfer.serve.fallbacks import request_timeout_setting, truncate_prompt_tokens_setting, truncate_prompts
 from minfer.serve.protocol import SSE_DONE, APIError, echo, param_of, sse, usage
 
 # Fields that only sampling reads, with the values that mean "not used" (JSON null always means not given).
@@ -166,7 +169,17 @@ async def serve_beam_search(serving, request: Request, body: dict, prompts: list
         APIError(500): the search failed.
     """
     params, n, max_tokens = beam_search_params(body)
+    # The fallbacks as on the sampling path (`serve.fallbacks`): truncate_prompt_tokens validated and applied;
+    # the KV-pressure cap applied below. A time limit is refused instead: the search is one engine job
+    # (`run_when_idle`) that cannot be cut at a deadline and answer its beams so far, so the body's
+    # `request_timeout` is a 400 here, and the server's `--request-timeout` does not apply to beam search.
+    if body.get("request_timeout") is not None:
+        request_timeout_setting(body, serving.fallbacks)  # a bad value gets the same 400 as without beams
+        raise APIError(400, "request_timeout is not supported with use_beam_search (the search runs as one "
+                            "engine job and cannot stop at a deadline)", param="request_timeout")
+    prompts = truncate_prompts(prompts, truncate_prompt_tokens_setting(body, serving.max_model_len))
     per_prompt = _per_prompt(serving.engine, prompts, params, max_tokens, default_max_tokens)
+    per_prompt, fallback = _cap_under_kv_pressure(serving, per_prompt)
     # A module-level function and plain data: the in-process loop calls it, and the engine-core process
     # receives it pickled (`MPEngineClient.run_when_idle`) and calls it on its own engine.
     job = functools.partial(beam_search_job, prompts=prompts, per_prompt=per_prompt)
@@ -191,11 +204,30 @@ async def serve_beam_search(serving, request: Request, body: dict, prompts: list
             content = ({"message": {"role": "assistant", "content": beam.text}} if chat else {"text": beam.text})
             choices.append({"index": i * n + j, **content, "logprobs": None, "finish_reason": beam.finish_reason})
     created, total = int(time.time()), usage(sum(len(p) for p in prompts), completion_tokens)
+    headers = {} if fallback is None else {"X-Max-Tokens-Capped": str(fallback["max_tokens_capped"]["granted"])}
     if body.get("stream"):
         return StreamingResponse(_beam_events(req_id, created, model, choices, chat), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return {"id": req_id, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": model, "choices": choices, "usage": total}
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+    answer = {"id": req_id, "object": "chat.completion" if chat else "text_completion", "created": created,
+              "model": model, "choices": choices, "usage": total}
+    if fallback is not None:
+        answer["fallback"] = fallback
+        return JSONResponse(answer, headers=headers)
+    return answer
+
+
+def _cap_under_kv_pressure(serving, per_prompt: list[BeamSearchParams]) -> tuple[list[BeamSearchParams], dict | None]:
+    """`fallbacks.cap_under_kv_pressure` for beams: max_tokens lowered to `--kv-pressure-max-tokens` while the
+    KV usage is at `--kv-pressure-threshold`, decided at arrival as for sampling; (params, what to report)."""
+    config = serving.fallbacks
+    cap, threshold = config.kv_pressure_max_tokens, config.kv_pressure_threshold
+    usage_now = serving.engine_loop.latest_stats.get("kv_cache_usage")
+    if cap is None or usage_now is None or usage_now < threshold or all(p.max_tokens <= cap for p in per_prompt):
+        return per_prompt, None
+    requested = [p.max_tokens for p in per_prompt]
+    out = [p if p.max_tokens <= cap else dataclasses.replace(p, max_tokens=cap) for p in per_prompt]
+    return out, {"max_tokens_capped": {"requested": requested, "granted": cap,
+                                       "kv_cache_usage": round(float(usage_now), 4), "threshold": threshold}}
 
 
 async def _beam_events(req_id: str, created: int, model: str, choices: list[dict], chat: bool):

@@ -6,7 +6,7 @@ silent change of a request:
 
 | fallback | asked for by | what the client sees |
 | --- | --- | --- |
-| shed load | `--max-waiting-requests N` | 503 with `Retry-After` when N requests already wait for their first token |
+| shed load | `--max-waiting-requests N` (N >= 1) | 503 with `Retry-After` when N requests already wait for their first token; 400 for more than N prompts in one request (never admissible) |
 | time limit | `--request-timeout S` or the body's `request_timeout` | what was generated so far, `finish_reason: "timeout"` |
 | keep the prompt's tail | the body's `truncate_prompt_tokens: N` (vLLM's) | only the last N prompt tokens run; `usage.prompt_tokens` says N |
 | lower the token cap | `--kv-pressure-threshold F --kv-pressure-max-tokens M` | max_tokens cut to M while KV usage >= F; the answer's `fallback` and the `X-Max-Tokens-Capped` header say so |
@@ -60,8 +60,11 @@ class FallbackConfig:
             return isinstance(v, int) and not isinstance(v, bool)
 
         if self.max_waiting_requests is not None and (not whole(self.max_waiting_requests)
-                                                      or self.max_waiting_requests < 0):
-            raise ValueError(f"max_waiting_requests must be an integer >= 0, got {self.max_waiting_requests!r}")
+                                                      or self.max_waiting_requests < 1):
+            # 0 is refused rather than read as "off" (vLLM has no such flag to follow): a limit of 0 would
+            # answer every request 503; leave the flag out for no limit.
+            raise ValueError(f"max_waiting_requests must be an integer >= 1 (leave it out for no limit), "
+                             f"got {self.max_waiting_requests!r}")
         if self.request_timeout is not None and not (isinstance(self.request_timeout, (int, float))
                                                      and math.isfinite(self.request_timeout)
                                                      and self.request_timeout > 0):
@@ -90,7 +93,7 @@ def truncate_prompt_tokens_setting(body: dict, max_model_len: int) -> int | None
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not (value == -1 or 1 <= value <= max_model_len):
         raise APIError(400, f"truncate_prompt_tokens must be an integer in [1, max_model_len={max_model_len}] "
-                            f"or -1 (= max_model_len), got {echo(value)}", param="truncate_prompt_tokens")
+                            f"or -1 (= max_model_len), got {echo(repr(value))}", param="truncate_prompt_tokens")
     return max_model_len if value == -1 else value
 
 
@@ -108,7 +111,8 @@ def request_timeout_setting(body: dict, config: FallbackConfig) -> float | None:
     if value is None:
         return config.request_timeout
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise APIError(400, f"request_timeout must be a positive number of seconds, got {echo(value)}",
+        # repr: "5" (a string) must not read as the number 5
+        raise APIError(400, f"request_timeout must be a positive number of seconds, got {echo(repr(value))}",
                        param="request_timeout")
     return float(value) if config.request_timeout is None else min(float(value), config.request_timeout)
 
@@ -149,7 +153,13 @@ class WaitingGate:
         self.num_shed = 0
 
     def admit(self, n: int, recent_ttft: float | None = None) -> None:
-        """Count `n` new engine requests in; APIError(503, Retry-After) if that would pass the limit."""
+        """Count `n` new engine requests in; APIError(503, Retry-After) if that would pass the limit, and
+        APIError(400) for more than the limit itself: such a request would never be admitted, and a 503
+        would have clients retry it forever."""
+        if self.max_waiting is not None and n > self.max_waiting:
+            raise APIError(400, f"this request has {n} prompts, more than can ever wait at once "
+                                f"(--max-waiting-requests {self.max_waiting}): send at most {self.max_waiting} "
+                                "prompts per request", param="prompt")
         if self.max_waiting is not None and self.num_waiting + n > self.max_waiting:
             self.num_shed += 1
             wait = max(1, math.ceil(recent_ttft if recent_ttft else self.retry_after))

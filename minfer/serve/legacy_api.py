@@ -25,6 +25,7 @@ from minfer.sampling_params import SamplingParams
 from minfer.serve.fallbacks import (
     Deadline, GatedGroup, events_until, request_timeout_setting, timed_out_snapshots, truncate_prompt_tokens_setting,
     truncate_prompts)
+from minfer.serve.guided import check as check_guided
 from minfer.serve.limits import check_fan_out, check_prompt_chars, read_body, require_json
 from minfer.serve.protocol import APIError, echo, fit_max_tokens, param_of, parse_json_body
 from minfer.serve.serving import _collect_unless_disconnected, _SSEResponse
@@ -62,6 +63,8 @@ async def generate(request: Request):
         raise APIError(404, f"The model `{echo(body['model'])}` does not exist", param="model",
                        code="model_not_found")
     params = legacy_sampling_params(body)
+    if params.guided_decoding is not None:  # compiled here so that a bad schema/regex names its field, not "prompt"
+        check_guided(params.guided_decoding, "guided_decoding")
     check_fan_out(1, params.n, serving.limits)
     check_prompt_chars([prompt], serving.limits, serving.max_model_len)
     try:

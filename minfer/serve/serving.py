@@ -88,8 +88,8 @@ class OpenAIServing:
             per_prompt, self.engine_loop.latest_stats.get("kv_cache_usage"), self.fallbacks)
         try:
             self.gate.admit(len(prompts), _recent_ttft(self.engine_loop))
-        except APIError:
-            if self.engine_loop.metrics is not None:
+        except APIError as err:
+            if err.status == 503 and self.engine_loop.metrics is not None:  # a 400 (can never fit) is not shedding
                 self.engine_loop.metrics.count_fallback("shed")
             raise
         group = GatedGroup(self.engine_loop, req_id, len(prompts), self.gate)
