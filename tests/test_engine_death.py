@@ -78,6 +78,9 @@ def test_add_with_no_engine_connected_answers_503_without_blocking(client):
     assert rid == "r1" and kind in ("error", "fatal")
     assert isinstance(payload, APIError) and payload.status == 503
     assert not client.alive and client._routes == {}  # the failed send counts as the engine's death
+    client._proc.exit(-9)
+    client._on_death()  # the receiver thread sees the exit afterwards: the reason gains its exit code
+    assert "exit code -9" in client.exit_reason
 
 
 def test_requests_fired_at_once_after_death_all_get_503(client):

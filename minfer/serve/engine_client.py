@@ -254,12 +254,13 @@ class MPEngineClient:
         with self._lock:  # with `_send_routed`'s check: no route can be registered after this
             first = not self._dead
             self._dead = True
-            if first:
-                code = self._proc.exitcode if self._proc is not None else None
-                self.exit_reason = (f"the engine process died (exit code {code}); restart the server"
-                                    if code is not None else
-                                    "the engine process is gone (it stopped reading requests); restart the server")
-                logger.error(self.exit_reason)
+            code = self._proc.exitcode if self._proc is not None else None
+            if first or code is not None:  # a failed send may come first; the exit code, once known, is told
+                reason = (f"the engine process died (exit code {code}); restart the server" if code is not None
+                          else "the engine process is gone (it stopped reading requests); restart the server")
+                if reason != self.exit_reason:
+                    self.exit_reason = reason
+                    logger.error(reason)
             routes = list(self._routes.items())
             self._routes.clear()
         err = APIError(503, self.exit_reason)  # the service is unavailable, not this request at fault
