@@ -9,7 +9,8 @@ Both implementations have one interface, the one `RequestGroup` and the routes u
     metrics, latest_stats, kv_pool_info, recent_ttfts, num_steps, num_requests_added, num_step_errors
 
 and put the same events on a request's asyncio queue: `(rid, "added", None)`, `(rid, "error", exc)`,
-`(rid, "output", RequestSnapshot)`, `(rid, "fatal", message)`.
+`(rid, "output", RequestSnapshot)`, `(rid, "fatal", message)` (`MPEngineClient`: an `APIError(503)` in place of
+the message when the engine is gone).
 
 - `InprocClient` is `engine_loop.EngineLoop`: the engine in a thread of the server's process (tests with a
   fake engine, `--no-engine-process`). Offline `LLM` does not use a client at all: it calls the engine.
@@ -249,8 +250,8 @@ class MPEngineClient:
                 logger.exception("engine client: could not handle a message")
 
     def _on_death(self) -> None:
-        """Mark the engine dead and fail every registered request with a 503 "fatal" event (idempotent: the
-        receiver thread and a failed send may both call it)."""
+        """Mark the engine dead and answer every registered request and job with a 503 at once (idempotent:
+        the receiver thread and a failed send may both call it)."""
         with self._lock:  # with `_send_routed`'s check: no route can be registered after this
             first = not self._dead
             self._dead = True
