@@ -9,7 +9,8 @@ Both implementations have one interface, the one `RequestGroup` and the routes u
     metrics, latest_stats, kv_pool_info, recent_ttfts, num_steps, num_requests_added, num_step_errors
 
 and put the same events on a request's asyncio queue: `(rid, "added", None)`, `(rid, "error", exc)`,
-`(rid, "output", RequestSnapshot)`, `(rid, "fatal", message)`.
+`(rid, "output", RequestSnapshot)`, `(rid, "fatal", message)` (`MPEngineClient`: an `APIError(503)` in place of
+the message when the engine is gone).
 
 - `InprocClient` is `engine_loop.EngineLoop`: the engine in a thread of the server's process (tests with a
   fake engine, `--no-engine-process`). Offline `LLM` does not use a client at all: it calls the engine.
@@ -59,11 +60,12 @@ class EngineView:
 
 
 class _Route:
-    __slots__ = ("loop", "queue", "arrival", "outputs")
+    __slots__ = ("loop", "queue", "arrival", "outputs", "added")
 
     def __init__(self, loop, q, arrival):
         self.loop, self.queue, self.arrival = loop, q, arrival
         self.outputs: dict[int, OutputSnapshot] = {}
+        self.added = False  # "added" was posted: a later failure is "fatal"; before it (or a job), "error"
 
 
 class MPEngineClient:
@@ -100,6 +102,10 @@ class MPEngineClient:
         self._dir = tempfile.mkdtemp(prefix="minfer-engine-")  # mode 0700: only this user can connect
         self._in_addr, self._out_addr = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
         self._send_sock = self._ctx.socket(zmq.PUSH)
+        # No high-water mark: a send to the connected engine never blocks or fails for a full queue, so a
+        # non-blocking send (`_send`) fails only when no engine is connected, i.e. its process is gone.
+        self._send_sock.setsockopt(zmq.SNDHWM, 0)
+        self._send_sock.setsockopt(zmq.LINGER, 0)
         self._send_sock.bind(self._in_addr)
         self._recv_sock = self._ctx.socket(zmq.PULL)
         self._recv_sock.bind(self._out_addr)
@@ -163,13 +169,8 @@ class MPEngineClient:
     # --- called from the event loop ------------------------------------------------------------------------
     def add(self, request_id: str, prompt, params, q: asyncio.Queue, arrival: float) -> None:
         """Send `add_request` to the engine process; "added" or "error" arrives on `q`."""
-        loop = asyncio.get_running_loop()
-        if not self.alive:
-            q.put_nowait((request_id, "error", APIError(503, self._dead_message())))
-            return
-        with self._lock:
-            self._routes[request_id] = _Route(loop, q, arrival)
-        self._send(("add", request_id, prompt, params, arrival))
+        self._send_routed(request_id, _Route(asyncio.get_running_loop(), q, arrival),
+                          ("add", request_id, prompt, params, arrival))
 
     def abort(self, request_ids: list[str]) -> None:
         if not request_ids:
@@ -177,7 +178,7 @@ class MPEngineClient:
         with self._lock:
             gone = [r for r in request_ids if self._routes.pop(r, None) is not None]
         if self.alive:
-            self._send(("abort", list(request_ids)))
+            self._send(("abort", list(request_ids)))  # a dead engine freed its blocks with its process
         if self.metrics is not None:
             for _ in gone:
                 self.metrics.observe_finished("abort", [], None, None)
@@ -186,12 +187,7 @@ class MPEngineClient:
         """Send `fn(engine)` (picklable: a module-level function or a partial of one) to the engine process,
         which runs it once its engine has no unfinished request, holding requests added meanwhile (as
         `EngineLoop.run_when_idle`). `(job_id, "done", result)` or `(job_id, "error", exc)` arrives on `q`."""
-        if not self.alive:
-            q.put_nowait((job_id, "error", APIError(503, self._dead_message())))
-            return
-        with self._lock:
-            self._routes[job_id] = _Route(asyncio.get_running_loop(), q, time.perf_counter())
-        self._send(("job", job_id, fn))
+        self._send_routed(job_id, _Route(asyncio.get_running_loop(), q, time.perf_counter()), ("job", job_id, fn))
 
     def cancel_job(self, job_id: str) -> None:
         """Drop a job that has not started (its client left); one already running finishes unread."""
@@ -200,9 +196,38 @@ class MPEngineClient:
         if self.alive:
             self._send(("cancel_job", job_id))
 
-    def _send(self, cmd) -> None:
+    def _send_routed(self, rid: str, route: _Route, cmd) -> None:
+        """Register `route` and send `cmd`, or answer 503 on its queue at once if the engine is gone.
+
+        The check and the registration hold the lock `_on_death` takes: a route is either registered before
+        death (and gets its "fatal" event from `_on_death`) or refused here; none is registered after
+        `_on_death` cleared the routes (such a request would wait forever)."""
+        with self._lock:
+            ok = self.alive
+            if ok:
+                self._routes[rid] = route
+        if not ok:
+            route.queue.put_nowait((rid, "error", APIError(503, self._dead_message())))
+            return
+        if not self._send(cmd):
+            # No engine connected: its process ended and the receiver thread has not seen it yet.
+            self._on_death()
+            with self._lock:
+                route = self._routes.pop(rid, None)  # None: `_on_death` already gave it a "fatal" event
+            if route is not None:
+                route.queue.put_nowait((rid, "error", APIError(503, self._dead_message())))
+
+    def _send(self, cmd) -> bool:
+        """Send without blocking (this runs on the event loop); False when no engine process is connected."""
+        import zmq
+
         with self._send_lock:
-            self._send_sock.send(pickle.dumps(cmd, protocol=pickle.HIGHEST_PROTOCOL))
+            try:
+                self._send_sock.send(pickle.dumps(cmd, protocol=pickle.HIGHEST_PROTOCOL), zmq.NOBLOCK)
+            except zmq.ZMQError as exc:  # Again: no peer (SNDHWM is 0); other errors: the socket is closed
+                logger.error("could not send %r to the engine process: %s", cmd[0], exc)
+                return False
+        return True
 
     def _dead_message(self) -> str:
         return self.exit_reason or "the engine process is not running"
@@ -225,14 +250,24 @@ class MPEngineClient:
                 logger.exception("engine client: could not handle a message")
 
     def _on_death(self) -> None:
-        code = self._proc.exitcode
-        self._dead = True
-        self.exit_reason = f"the engine process died (exit code {code}); restart the server"
-        logger.error(self.exit_reason)
-        with self._lock:
+        """Mark the engine dead and answer every registered request and job with a 503 at once (idempotent:
+        the receiver thread and a failed send may both call it)."""
+        with self._lock:  # with `_send_routed`'s check: no route can be registered after this
+            first = not self._dead
+            self._dead = True
+            code = self._proc.exitcode if self._proc is not None else None
+            if first or code is not None:  # a failed send may come first; the exit code, once known, is told
+                reason = (f"the engine process died (exit code {code}); restart the server" if code is not None
+                          else "the engine process is gone (it stopped reading requests); restart the server")
+                if reason != self.exit_reason:
+                    self.exit_reason = reason
+                    logger.error(reason)
             routes = list(self._routes.items())
             self._routes.clear()
-        self._post_many([(r, (rid, "fatal", self.exit_reason)) for rid, r in routes])
+        err = APIError(503, self.exit_reason)  # the service is unavailable, not this request at fault
+        # A request still waiting for "added" (`RequestGroup.submit`), or a job, waits for "error"; a "fatal"
+        # event would be kept for later and the request would wait forever.
+        self._post_many([(r, (rid, "fatal" if r.added else "error", err)) for rid, r in routes])
 
     def _post_many(self, events) -> None:
         """Put (route, event) pairs on their queues with one hop per event loop."""
@@ -265,6 +300,8 @@ class MPEngineClient:
         elif kind == "added":
             with self._lock:
                 events = [(self._routes[r], (r, "added", None)) for r in msg[1] if r in self._routes]
+                for route, _ in events:
+                    route.added = True
             self.num_requests_added += len(msg[1])
             self._post_many(events)
         elif kind == "error":
@@ -286,7 +323,9 @@ class MPEngineClient:
                     event = (job_id, "error", _EXC[typ](text) if typ in _EXC else RuntimeError(f"{typ}: {text}"))
                 self._post_many([(route, event)])
         elif kind == "fatal":
-            _, rids, text = msg
+            _, rids, text = msg[:3]
+            if len(msg) > 3 and msg[3] == 503:  # the step's failure ends the engine (a dead worker)
+                text = APIError(503, text)
             self.num_step_errors += 1
             if self.metrics is not None:
                 self.metrics.count_step_error()

@@ -23,7 +23,8 @@ A message from the core is a msgpack list whose first item says what it is:
     ["step", outputs, stats|None]   after a step that made progress; stats every `stats_interval` s
     ["stats", stats]                when idle, after commands (so /v1/stats and /metrics stay current)
     ["error", rid, type, message]   `add_request` refused that request (the engine goes on)
-    ["fatal", [rid, ...], message]  a step raised; those requests were aborted (their blocks freed)
+    ["fatal", [rid, ...], message, status]  a step raised; those requests were aborted (their blocks freed);
+                                    status 503 when the engine cannot go on (a dead worker), else 500
     ["job", job_id, "done", pickled result] / ["job", job_id, "error", [type, message]]
                                     a job (`("job", job_id, fn)`: beam search) ran on the idle engine
 
@@ -241,7 +242,9 @@ class EngineCore:
                 except Exception:  # noqa: BLE001
                     logger.exception("abort after a failed step failed too")
                 self.sent.clear()
-                self._send(["fatal", rids, f"engine error: {type(exc).__name__}: {exc}"])
+                # 503 when this failure ends the engine (a dead worker): the service is gone, not the request bad
+                self._send(["fatal", rids, f"engine error: {type(exc).__name__}: {exc}",
+                            503 if getattr(exc, "fatal", False) else 500])
                 self._send(["stats", self._stats()])
                 if getattr(exc, "fatal", False):  # a dead parallel worker: this process ends, /health turns 503
                     raise

@@ -380,7 +380,8 @@ class RequestGroup:
             if kind == "fatal":
                 self.unfinished.discard(rid)
                 self.abort()
-                raise APIError(500, payload)
+                # An APIError payload (503: the engine process died) keeps its status; a message is a 500.
+                raise payload if isinstance(payload, APIError) else APIError(500, payload)
             if kind == "output":
                 if payload.finished:
                     self.unfinished.discard(rid)

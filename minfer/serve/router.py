@@ -264,7 +264,7 @@ class _Tap:
 
     def put_nowait(self, event) -> None:
         rid, kind, payload = event
-        if kind in ("error", "fatal") or (kind == "output" and payload.finished):
+        if kind in ("error", "fatal", "done") or (kind == "output" and payload.finished):  # "done": a job
             self.on_end(rid)
         self.queue.put_nowait(event)
 
@@ -289,6 +289,7 @@ class DPEngineClient:
         self.metrics = DPMetrics(model_name, [c.metrics or ServerMetrics(model_name) for c in self.clients])
         self._load = [0] * len(self.clients)
         self._owner: dict[str, int] = {}  # unfinished request id -> replica
+        self._job_owner: dict[str, int] = {}  # job (beam search) not answered yet -> replica
         for i in range(len(self.clients)):
             self.metrics.outstanding.labels(model_name, str(i)).set(0)
             self.metrics.routed.labels(model_name, str(i))
@@ -364,6 +365,22 @@ class DPEngineClient:
                 self._on_end(rid)
         for i, rids in by_replica.items():
             self.clients[i].abort(rids)
+
+    def run_when_idle(self, job_id: str, fn, q: asyncio.Queue) -> None:
+        """Run a job (beam search) on one live replica, the least loaded; its answer arrives on `q` as with
+        one client. A job is not a request: it does not count in the outstanding load."""
+        live = [i for i, c in enumerate(self.clients) if c.alive]
+        if not live:
+            q.put_nowait((job_id, "error", APIError(503, self.exit_reason or "no replica is running")))
+            return
+        i = min(live, key=lambda k: (self._load[k], k))
+        self._job_owner[job_id] = i
+        self.clients[i].run_when_idle(job_id, fn, _Tap(q, lambda rid: self._job_owner.pop(rid, None)))
+
+    def cancel_job(self, job_id: str) -> None:
+        i = self._job_owner.pop(job_id, None)
+        if i is not None:
+            self.clients[i].cancel_job(job_id)
 
     def _on_end(self, rid: str) -> None:
         i = self._owner.pop(rid, None)
