@@ -101,8 +101,10 @@ def llg_tokenizer(hf_tokenizer, vocab_size: int, eos_token_ids: tuple):
             try:
                 llt = ll.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos)
             except ValueError as exc:  # e.g. a word-level tokenizer: "can't determine decoder type: None"
+                # "SamplingParams.guided_decoding" so the server's 400 names the field (protocol.param_of)
                 raise ValueError(f"this model's tokenizer is not supported for structured output "
-                                 f"(guided_decoding needs a byte-level or SentencePiece tokenizer): {exc}") from None
+                                 f"(SamplingParams.guided_decoding needs a byte-level or SentencePiece tokenizer; "
+                                 f"llguidance: {exc})") from None
             tok = _TOKENIZERS[key] = (hf_tokenizer, llt)
     return tok[1]
 
