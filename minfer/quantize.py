@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -98,26 +99,83 @@ def save_quantized(qw: QuantizedWeights, config: dict, tokenizer, out: Path) -> 
     return out
 
 
+def _prepare_out(model: str, out: Path, overwrite: bool) -> bool:
+    """Check `out` before the (long) load and quantization, and create it; True when this call made it.
+
+    Raises:
+        ValueError naming --out: the model's own directory (the source checkpoint would be overwritten), an
+            existing file, a directory that already holds a checkpoint (unless `overwrite`), or one that
+            cannot be created or written.
+    """
+    src = Path(model).expanduser()
+    if src.exists() and src.resolve() == out.resolve():
+        raise ValueError(f"--out {out} is the model's own directory: quantizing there would overwrite the source "
+                         "checkpoint; give another directory")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is an existing file, not a directory")
+    if out.is_dir() and not overwrite and ((out / "config.json").exists() or any(out.glob("*.safetensors"))):
+        raise ValueError(f"--out {out} already holds a checkpoint (config.json / *.safetensors): give a new or "
+                         "empty directory, or --overwrite to replace it")
+    existed = out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        if not os.access(out, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as exc:
+        raise ValueError(f"--out {out}: cannot create or write the directory ({exc.strerror or exc})") from None
+    return not existed
+
+
 def quantize_model(model: str, method: str, group_size: int, out: str | Path, n_samples: int = 32,
                    seq_len: int = 256, use_tqdm: bool = True, calib_text: str | None = None,
-                   **calib_kwargs) -> dict:
+                   overwrite: bool = False, **calib_kwargs) -> dict:
     """Load `model`, quantize it with `method` (calibrated on `n_samples` windows of `seq_len` tokens of the
     shipped text, or of `calib_text`), save it to `out`. Returns a summary dict (seconds, sizes,
     AWQ's losses per layer and group).
 
     Raises:
         ValueError: an unknown method, a group size the int4 op lacks or that does not divide a layer, a
-            model that is not Llama-family.
+            model that is not Llama-family or already quantized, n_samples or seq_len below 1 or seq_len past
+            the model's positions, an `out` refused by `_prepare_out` (nothing is written then).
     """
-    from minfer.model.loader import read_json
-    from minfer.tokenizer import load_tokenizer
-
     if method not in CLI_METHODS:
         raise ValueError(f"unknown method {method!r}: one of {', '.join(CLI_METHODS)}")
     if method != "int8" and group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"group_size must be one of {INT4_GROUP_SIZES}, got {group_size!r}")
+    if n_samples < 1 or seq_len < 1:
+        raise ValueError(f"--samples and --seq-len must be at least 1, got {n_samples} and {seq_len}")
+    out = Path(out)
+    made = _prepare_out(model, out, overwrite)
+    try:
+        return _quantize_into(model, method, group_size, out, n_samples, seq_len, use_tqdm, calib_text,
+                              calib_kwargs)
+    except BaseException:
+        if made and not any(out.iterdir()):  # leave no empty directory behind a refusal
+            out.rmdir()
+        raise
+
+
+def _quantize_into(model, method, group_size, out: Path, n_samples, seq_len, use_tqdm, calib_text,
+                   calib_kwargs) -> dict:
+    from minfer.model.loader import read_json
+    from minfer.model.positions import RotaryEmbedding
+    from minfer.tokenizer import load_tokenizer
+
     t0 = time.perf_counter()
     loaded = load_for_calibration(model)
+    if loaded.source.path.resolve() == out.resolve():  # a model name that resolves to the --out directory
+        raise ValueError(f"--out {out} is the model's own directory: quantizing there would overwrite the source "
+                         "checkpoint; give another directory")
+    if loaded.source.kind == "hf":
+        qc = read_json(loaded.source.path / "config.json").get("quantization_config")
+        if qc:
+            raise ValueError(f"--model {model} is already quantized (quantization_config quant_method "
+                             f"{qc.get('quant_method')!r}): quantize the original float checkpoint")
+    if method in ("awq", "gptq"):  # calibration runs windows of seq_len positions through the model
+        rope = next((m for m in loaded.model.modules() if isinstance(m, RotaryEmbedding)), None)
+        limit = rope.cos_sin.shape[1] if rope is not None else loaded.config.max_position_embeddings
+        if seq_len > limit:
+            raise ValueError(f"--seq-len {seq_len} is past the model's {limit} positions")
     tokenizer = load_tokenizer(loaded.source, loaded.eos_token_ids)
     t1 = time.perf_counter()
     if method == "int8":
@@ -130,10 +188,17 @@ def quantize_model(model: str, method: str, group_size: int, out: str | Path, n_
     config = (read_json(loaded.source.path / "config.json") if loaded.source.kind == "hf"
               else hf_config_dict(loaded.config))
     config.pop("quantization_config", None)
-    save_quantized(qw, config, tokenizer, Path(out))
+    save_quantized(qw, config, tokenizer, out)
     return {"model": model, "method": method, "group_size": qw.group_size, "out": str(out),
             "load_s": t1 - t0, "quantize_s": t2 - t1, "calibration_tokens": n_samples * seq_len
             if method in ("awq", "gptq") else 0, "awq_losses": qw.awq_losses}
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)  # argparse turns a ValueError here into "invalid _positive_int value"
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,14 +207,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--method", required=True, choices=CLI_METHODS)
     p.add_argument("--group-size", type=int, default=64, help=f"inputs per scale, one of {INT4_GROUP_SIZES} "
                    "(int8: per channel, ignored)")
-    p.add_argument("--out", required=True, help="the directory to write")
-    p.add_argument("--samples", type=int, default=32, help="calibration windows (awq, gptq)")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per calibration window")
+    p.add_argument("--out", required=True, help="the directory to write (new or empty; not the model's own)")
+    p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --out")
+    p.add_argument("--samples", type=_positive_int, default=32, help="calibration windows (awq, gptq)")
+    p.add_argument("--seq-len", type=_positive_int, default=256, help="tokens per calibration window")
     args = p.parse_args(argv)
     try:
-        summary = quantize_model(args.model, args.method, args.group_size, args.out, args.samples, args.seq_len)
+        summary = quantize_model(args.model, args.method, args.group_size, args.out, args.samples, args.seq_len,
+                                 overwrite=args.overwrite)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        p.print_usage(sys.stderr)  # argparse's form, and its exit status 2
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {summary['out']} ({args.method}, group size {summary['group_size']}) in "
           f"{summary['quantize_s']:.1f} s; load it with LLM(model={summary['out']!r})")

@@ -21,12 +21,15 @@ those output tokens.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 
 import torch
 
 from minfer.sampling_params import GuidedDecodingParams
+
+logger = logging.getLogger(__name__)
 
 _TOKENIZERS: dict[int, object] = {}
 _LOCK = threading.Lock()
@@ -95,8 +98,14 @@ def llg_tokenizer(hf_tokenizer, vocab_size: int, eos_token_ids: tuple):
         tok = _TOKENIZERS.get(key)
         if tok is None:
             eos = list(eos_token_ids) or None
-            tok = _TOKENIZERS[key] = (hf_tokenizer, ll.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
-                                                                        eos_token=eos))
+            try:
+                llt = ll.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos)
+            except ValueError as exc:  # e.g. a word-level tokenizer: "can't determine decoder type: None"
+                # "SamplingParams.guided_decoding" so the server's 400 names the field (protocol.param_of)
+                raise ValueError(f"this model's tokenizer is not supported for structured output "
+                                 f"(SamplingParams.guided_decoding needs a byte-level or SentencePiece tokenizer; "
+                                 f"llguidance: {exc})") from None
+            tok = _TOKENIZERS[key] = (hf_tokenizer, llt)
     return tok[1]
 
 
@@ -130,6 +139,15 @@ class StructuredOutputManager:
         m = ll.LLMatcher(llg_tokenizer(self.hf, self.vocab_size, self.eos), text, log_level=0)
         if m.is_error():
             raise ValueError(f"invalid guided_decoding {guided.kind}: {m.get_error()[:500]}")
+        # A grammar whose language is empty ("start: start", {"$ref": "#"}, a regex of an empty class) compiles,
+        # and the matcher only goes into error on the first mask: compute that mask now (scratch memory; it does
+        # not advance the matcher) so the request is refused before admission instead of ending "" with "stop".
+        scratch = torch.zeros(bitmask_width(self.vocab_size), dtype=torch.int32)
+        m.unsafe_compute_mask_ptr(scratch.data_ptr(), scratch.numel() * 4)
+        if m.is_error():
+            # "SamplingParams.guided_decoding" so the server's 400 names the field (protocol.param_of)
+            raise ValueError(f"invalid SamplingParams.guided_decoding {guided.kind}: the grammar matches no "
+                             f"output ({m.get_error().splitlines()[0][:200]})")
         return m
 
     def add(self, seq_ids: list[int], guided: GuidedDecodingParams) -> None:
@@ -157,14 +175,22 @@ class StructuredOutputManager:
         sequence should finish). An unguided sequence: False.
 
         A token the mask allowed is always accepted; EOS at the end of a complete grammar is accepted too.
+        A matcher in error (the grammar can no longer be completed, e.g. a required recursive property) finishes
+        the sequence with "abort", not "stop": its output is not in the grammar's language.
         """
         m = self.matchers.get(seq.seq_id)
         if m is None:
             return False
-        if token in self.eos and m.is_accepting():
-            return True
-        m.consume_token(token)
-        return m.is_stopped() or m.is_error()
+        if not m.is_error():
+            if token in self.eos and m.is_accepting():
+                return True
+            m.consume_token(token)
+            if not m.is_error():
+                return m.is_stopped()
+        logger.warning("guided decoding of request %s aborted: the grammar cannot be completed (%s)",
+                       seq.request_id, m.get_error().splitlines()[0][:200])
+        seq.finish_reason, seq.stop_reason = "abort", None  # overrides a "stop"/"length" by the same token
+        return True
 
     def release(self, seq_ids) -> None:
         for sid in seq_ids:

@@ -310,3 +310,44 @@ def test_shipped_texts_are_disjoint_and_long_enough():
     assert ev[:2000] not in cal and cal[:2000] not in ev
     with pytest.raises(ValueError, match="unknown text"):
         load_text("train")
+
+
+def test_quantize_cli_refuses_outputs_and_flags_it_cannot_use(tiny, tmp_path, capsys):
+    import shutil
+
+    from minfer.quantize import main
+
+    def refused(*argv, match):
+        assert main(list(argv)) == 2
+        err = capsys.readouterr().err
+        assert match in err and "usage:" in err, err
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny, src)
+    before = (src / "model.safetensors").read_bytes()
+    # out == the model (also spelled differently): refused, the source checkpoint untouched
+    refused("--model", str(src), "--method", "int4", "--group-size", "32", "--out", str(src / ".." / "src"),
+            match="is the model's own directory")
+    assert (src / "model.safetensors").read_bytes() == before
+    f = tmp_path / "file"
+    f.write_text("x")
+    refused("--model", str(src), "--method", "int4", "--group-size", "32", "--out", str(f), match="existing file")
+    refused("--model", str(src), "--method", "int4", "--group-size", "32", "--out", "/proc/nope/q",
+            match="--out /proc/nope/q: cannot create")
+    # an out that already holds a checkpoint: refused unless --overwrite
+    q = tmp_path / "q"
+    assert main(["--model", str(src), "--method", "int4", "--group-size", "32", "--out", str(q)]) == 0
+    refused("--model", str(src), "--method", "int4", "--group-size", "32", "--out", str(q),
+            match="already holds a checkpoint")
+    assert main(["--model", str(src), "--method", "int4", "--group-size", "32", "--out", str(q), "--overwrite"]) == 0
+    # quantizing a quantized model: said so, and no empty directory left behind
+    refused("--model", str(q), "--method", "int4", "--group-size", "32", "--out", str(tmp_path / "qq"),
+            match="is already quantized")
+    assert not (tmp_path / "qq").exists()
+    refused("--model", str(src), "--method", "gptq", "--group-size", "32", "--seq-len", "2000", "--out",
+            str(tmp_path / "g"), match="--seq-len 2000 is past the model's")
+    assert not (tmp_path / "g").exists()
+    for flag, value in (("--samples", "0"), ("--seq-len", "-1")):
+        with pytest.raises(SystemExit) as e:
+            main(["--model", str(src), "--method", "gptq", "--out", str(tmp_path / "g"), flag, value])
+        assert e.value.code == 2 and f"{flag}: " in capsys.readouterr().err

@@ -145,6 +145,30 @@ def test_bad_values_are_400_and_nothing_is_lost(client, fields, param):
     assert _chat(c, messages=USER, max_tokens=3).status_code == 200  # the server goes on
 
 
+@pytest.mark.parametrize("fields", [{"guided_grammar": "start: start"}, {"guided_json": {"$ref": "#"}},
+                                    {"guided_regex": "[^\\x00-\\x{10FFFF}]"}], ids=["grammar", "json", "regex"])
+def test_a_grammar_that_matches_nothing_is_400(client, fields):
+    # it compiles, but no output is in its language: refused before admission, not 200 with "" and "stop"
+    c, engine = client
+    r = _chat(c, messages=USER, **fields)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert "matches no output" in err["message"] and err["param"] == "guided_decoding", err
+    assert _idle(engine)
+    assert _chat(c, messages=USER, max_tokens=3).status_code == 200
+
+
+def test_a_grammar_that_cannot_be_completed_aborts_not_stops(client):
+    # an object whose required "a" is that object again: it starts ('{"'), then the matcher is in error
+    c, engine = client
+    schema = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    r = _chat(c, messages=USER, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "abort", r.json()
+    assert _idle(engine)
+    assert _chat(c, messages=USER, max_tokens=3).status_code == 200
+
+
 def test_beam_search_refuses_structured_output(client):
     c, _ = client
     r = c.post("/v1/completions", json={"model": "m", "prompt": "a", "use_beam_search": True, "n": 2,

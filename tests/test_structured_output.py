@@ -207,3 +207,42 @@ def test_real_model_chat_answer_validates(llm):
                     SamplingParams(temperature=0, max_tokens=5, guided_decoding=GuidedDecodingParams(choice=["yes", "no"])))
     assert yes[0].outputs[0].text in ("yes", "no")
     assert real.llm_engine.all_blocks_free()
+
+
+# -- grammars that match nothing ------------------------------------------------------------------------------
+@pytest.mark.parametrize("guided", [dict(grammar="start: start"), dict(json={"$ref": "#"}),
+                                    dict(regex="[^\\x00-\\x{10FFFF}]")], ids=["grammar", "json", "regex"])
+def test_empty_language_is_refused_before_queueing(tiny, guided):
+    # compiles, but no output is in the language: refused, not answered "" with "stop"
+    engine = tiny.llm_engine
+    with pytest.raises(ValueError, match="guided_decoding .*matches no output"):
+        engine.add_request(None, "ab", SamplingParams(max_tokens=5, guided_decoding=GuidedDecodingParams(**guided)))
+    assert not engine.has_unfinished_requests() and engine.all_blocks_free()
+
+
+def test_matcher_in_error_aborts_only_its_request(tiny):
+    # an object whose required "a" is that object again: starts fine ("{"), then cannot be completed
+    schema = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    plain = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    alone = tiny.generate(["j"], plain)[0].outputs[0].token_ids
+    outs = tiny.generate(["ab", "xyz", "j"], [SamplingParams(temperature=1.0, seed=s, max_tokens=60,
+                                                             guided_decoding=GuidedDecodingParams(json=schema))
+                                              for s in range(2)] + [plain])
+    for o in outs[:2]:
+        assert o.outputs[0].finish_reason == "abort", o.outputs[0]
+    assert outs[2].outputs[0].token_ids == alone and outs[2].outputs[0].finish_reason == "length"
+    engine = tiny.llm_engine
+    assert engine.all_blocks_free() and not engine.structured_output.matchers
+
+
+def test_word_level_tokenizer_is_a_clear_error(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    import transformers
+
+    from minfer.structured_output import llg_tokenizer
+
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "</s>": 1, "a": 2, "b": 3}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()  # no decoder: llguidance cannot read its bytes
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>")
+    with pytest.raises(ValueError, match="tokenizer is not supported for structured output"):
+        llg_tokenizer(hf, 8, (1,))

@@ -77,7 +77,8 @@ def _check_model(model) -> None:
                          f"{type(model).__name__}")
     for m in model.model.layers[0].modules():
         if hasattr(m, "method") and m.layout != "nn":
-            raise ValueError("calibrate needs the 'nn' linear layout: load with load_for_calibration()")
+            raise ValueError(f"calibrate needs unquantized linears (the 'nn' layout), got {m.layout!r}: load an "
+                             "unquantized checkpoint with load_for_calibration() (is this model already quantized?)")
 
 
 def _rtn(w: torch.Tensor, group_size: int, bits: int, zp_min: int):
