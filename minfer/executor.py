@@ -131,7 +131,11 @@ class MultiprocExecutor:
             if rank != 0:
                 worker_loop(args, rank, init_method, _connect(ctrl, authkey))
                 sys.exit(0)  # a torchrun worker rank ends here, with the job
-            listener = Listener(ctrl, authkey=authkey)  # MASTER_ADDR: the address the other nodes reach rank 0 at
+            try:
+                listener = Listener(ctrl, authkey=authkey)  # MASTER_ADDR: where the other nodes reach rank 0
+            except OSError as e:
+                raise OSError(f"minfer's control listener needs port MASTER_PORT + 1 = {ctrl[1]} on {ctrl[0]}, "
+                              f"which is not free ({e.strerror}): give torchrun another --master-port") from e
         else:
             init_method = f"tcp://127.0.0.1:{_free_port()}"
             authkey = secrets.token_bytes(16)

@@ -412,6 +412,22 @@ def test_server_with_a_dead_worker_fails_requests_and_reports_unhealthy(rand_mod
             time.sleep(0.5)
 
 
+def _free_port_pair() -> int:
+    """A port P with P + 1 free too: torchrun's rendezvous takes P, minfer's control listener P + 1."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no two consecutive free ports")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_torchrun_backend_equals_one_rank(rand_model, tmp_path):
@@ -419,8 +435,6 @@ def test_torchrun_backend_equals_one_rank(rand_model, tmp_path):
     import json
     import subprocess
     import sys
-
-    from minfer.executor import _free_port
 
     script = tmp_path / "run.py"
     script.write_text(
@@ -434,7 +448,7 @@ def test_torchrun_backend_equals_one_rank(rand_model, tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                        str(_free_port()), str(script)], env=env, capture_output=True, text=True, timeout=240)
+                        str(_free_port_pair()), str(script)], env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("RESULT"))[7:])
     llm = LLM(model=rand_model, attention_backend="torch", max_model_len=96, kv_cache_memory_bytes=1 << 22, seed=0)

@@ -109,9 +109,11 @@ def _timing_callable(obj, attr: str, acc: dict, name: str):
 
 def _op_type(module_name: str, module: torch.nn.Module) -> str | None:
     """The op type a module's forward is counted under, or None for containers."""
+    from minfer.model.layers import Linear  # noqa: PLC0415 - the parallel linears (chapter 12) are Linears too
+
     kind = type(module).__name__
     leaf = module_name.rsplit(".", 1)[-1]
-    if kind == "Linear":
+    if isinstance(module, Linear):
         if leaf in ("qkv_proj", "q_proj", "k_proj", "v_proj", "c_attn", "query_key_value"):
             return "linear: QKV projection"
         if leaf in ("o_proj", "dense", "c_proj") and ".mlp" not in module_name:
