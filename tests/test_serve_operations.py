@@ -1,11 +1,12 @@
 """The operations of chapter 15 as server features, on the fake engine (fast, no model):
 
 - the chat stream's first chunk comes with the first token, not at admission;
-- the extra routes: GET /v1/models/{id}, POST /tokenize and /detokenize, GET /version, /ping;
+- the extra routes (`minfer/serve/ops_routes.py`): GET /v1/models/{id}, POST /tokenize and /detokenize,
+  GET /version, /ping;
 - the fallbacks (`minfer/serve/fallbacks.py`): --max-waiting-requests (503 + Retry-After, nothing lost),
   the time limit (finish_reason "timeout"), truncate_prompt_tokens, the KV-pressure max_tokens cap;
 - the metrics: the article's monitoring list, the `vllm:` names, the per-phase histograms;
-- vLLM's legacy POST /generate, with bad input (400, nothing lost).
+- vLLM's legacy POST /generate (`minfer/serve/legacy_api.py`), with bad input (400, nothing lost).
 
     pytest -q tests/test_serve_operations.py
 """

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
 from minfer.serve.limits import check_message_chars, check_prompt_chars, read_body, require_json
-from minfer.serve.protocol import APIError, echo, normalize_messages, parse_json_body, resolve_model
+from minfer.serve.protocol import APIError, _get_bool, echo, normalize_messages, parse_json_body, resolve_model
 
 router = APIRouter()
 OPEN_PATHS = frozenset({"/ping"})  # open even with --api-key, as /health
@@ -58,14 +58,6 @@ async def ping(request: Request):
     return await health(request)
 
 
-def _flag(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    value = default if value is None else value
-    if not isinstance(value, bool):
-        raise APIError(400, f"{name} must be a boolean (true or false), got {echo(value)}", param=name)
-    return value
-
-
 @router.post("/tokenize")
 async def tokenize(request: Request):
     """vLLM's /tokenize: a prompt (special tokens added unless `add_special_tokens: false`) or chat messages
@@ -75,7 +67,7 @@ async def tokenize(request: Request):
     body = parse_json_body(await read_body(request, serving.limits))
     resolve_model(body, serving.served_model_names)
     tok = serving.engine.tokenizer
-    strs = _flag(body, "return_token_strs", False)
+    strs = _get_bool(body, "return_token_strs", False)
     if ("prompt" in body) == ("messages" in body):
         raise APIError(400, "give exactly one of 'prompt' (a string) and 'messages' (a chat)", param="prompt")
     if "prompt" in body:
@@ -83,13 +75,13 @@ async def tokenize(request: Request):
         if not isinstance(prompt, str):
             raise APIError(400, f"prompt must be a string, got {echo(prompt)}", param="prompt")
         check_prompt_chars([prompt], serving.limits, serving.max_model_len)
-        special = _flag(body, "add_special_tokens", True)
+        special = _get_bool(body, "add_special_tokens", True)
         fn = (lambda: tok.encode(prompt, add_special_tokens=special))
     else:
         check_message_chars(body["messages"], serving.limits, serving.max_model_len)
         messages = normalize_messages(body["messages"])
-        gen = _flag(body, "add_generation_prompt", True)
-        special = _flag(body, "add_special_tokens", False)
+        gen = _get_bool(body, "add_generation_prompt", True)
+        special = _get_bool(body, "add_special_tokens", False)
 
         def fn():
             text = tok.apply_chat_template(messages, add_generation_prompt=gen)
