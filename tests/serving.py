@@ -5,6 +5,7 @@ subprocess (`running_server`), or an app under uvicorn in a thread of the test's
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -97,3 +98,19 @@ def server_in_thread(app, timeout: float = 30, **uvicorn_options):
     finally:
         server.should_exit = True
         thread.join(15)
+
+
+async def stream_completion(client: httpx.AsyncClient, url: str, body: dict) -> tuple[str | None, list]:
+    """(text, error chunks) of one streamed /v1/completions; (None, [the body]) when it is not a 200."""
+    text, errors = "", []
+    async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            return None, [(await resp.aread()).decode()]
+        async for line in resp.aiter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    errors.append(chunk)
+                else:
+                    text += chunk["choices"][0]["text"]
+    return text, errors

@@ -27,7 +27,7 @@ import time
 import httpx
 import pytest
 
-from tests.serving import free_port, running_server
+from tests.serving import free_port, running_server, stream_completion
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
 
@@ -46,20 +46,6 @@ def _prompt(i: int) -> str:
     return " ".join(f"w{3 + (i * 7 + k) % 250}" for k in range(8 + i % 5))
 
 
-async def _stream(client, url, body):
-    """(text, error chunks) of a streamed completion."""
-    text, errors = "", []
-    async with client.stream("POST", url + "/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            return None, [(await resp.aread()).decode()]
-        async for line in resp.aiter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    errors.append(chunk)
-                else:
-                    text += chunk["choices"][0]["text"]
-    return text, errors
 
 
 def _streams(url, model, n=16, max_tokens=16):
@@ -67,7 +53,7 @@ def _streams(url, model, n=16, max_tokens=16):
 
     async def run():
         async with httpx.AsyncClient(timeout=120) as c:
-            return await asyncio.gather(*[_stream(c, url, {**body, "prompt": _prompt(i)}) for i in range(n)])
+            return await asyncio.gather(*[stream_completion(c, url, {**body, "prompt": _prompt(i)}) for i in range(n)])
 
     return asyncio.run(asyncio.wait_for(run(), 180)), body
 

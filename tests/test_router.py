@@ -16,7 +16,6 @@ servers) are in tests/test_replicas.py.
 from __future__ import annotations
 
 import asyncio
-import json
 
 import httpx
 import pytest
@@ -29,7 +28,7 @@ from minfer.serve.router import (
     DPEngineClient, LeastOutstandingPolicy, PrefixAwarePolicy, RoundRobinPolicy, make_policy, num_replicas,
     prefix_key)
 from tests.fake_engine import FakeEngine
-from tests.serving import server_in_thread
+from tests.serving import server_in_thread, stream_completion
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -210,19 +209,6 @@ def _fake_dp(policy="prefix_aware"):
     return engines, DPEngineClient(loops, policy, "fake-model")
 
 
-async def _stream(client, url, body):
-    text, errors = "", []
-    async with client.stream("POST", url + "/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            return None, [await resp.aread()]
-        async for line in resp.aiter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    errors.append(chunk)
-                else:
-                    text += chunk["choices"][0]["text"]
-    return text, errors
 
 
 def test_16_concurrent_streams_over_two_replicas_have_no_errors():
@@ -235,7 +221,7 @@ def test_16_concurrent_streams_over_two_replicas_have_no_errors():
 
         async def run():
             async with httpx.AsyncClient(timeout=60) as c:
-                return await asyncio.gather(*[_stream(c, url, {**body, "prompt": f"alpha beta {i}"})
+                return await asyncio.gather(*[stream_completion(c, url, {**body, "prompt": f"alpha beta {i}"})
                                               for i in range(16)])
 
         results = asyncio.run(asyncio.wait_for(run(), 60))
