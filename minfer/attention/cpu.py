@@ -58,6 +58,29 @@ def _cpu_identity() -> str:
         return f"{platform.machine()} {platform.processor()}"
 
 
+def load_cpu_library(source: Path, name: str, cflags: list[str], unavailable: type[Exception]) -> ctypes.CDLL:
+    """Build `source` (a C++ file of plain `extern "C"` functions) with `cflags` and load it: once per
+    checkout, source version and kind of CPU (`-march=native` code is built where it runs), cached under
+    ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR) as `name_<key>`.
+
+    Raises:
+        `unavailable`: disabled by MINFER_CPU_KERNELS=0, or the build or load failed (the message says why).
+    """
+    if os.environ.get("MINFER_CPU_KERNELS", "1") == "0":
+        raise unavailable("disabled by MINFER_CPU_KERNELS=0")
+    try:
+        from torch.utils.cpp_extension import load
+
+        # One build directory per checkout and source version, so that two checkouts (or an old and a new
+        # version) used in turn do not keep rebuilding each other's library.
+        key = hashlib.sha1(f"{source}\n{cflags}\n{_cpu_identity()}\n".encode() + source.read_bytes()).hexdigest()[:12]
+        path = load(name=f"{name}_{key}", sources=[str(source)], extra_cflags=cflags,
+                    extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        return ctypes.CDLL(path)
+    except Exception as e:  # a missing compiler/ninja shows up as many different exception types
+        raise unavailable(f"building {source.name} failed: {type(e).__name__}: {e}") from e
+
+
 @functools.cache
 def _library() -> ctypes.CDLL:
     """Build (once per checkout and source version; cached under ~/.cache/torch_extensions, or
@@ -66,19 +89,7 @@ def _library() -> ctypes.CDLL:
     Raises:
         CpuKernelUnavailable: disabled by MINFER_CPU_KERNELS=0, or the build or load failed.
     """
-    if os.environ.get("MINFER_CPU_KERNELS", "1") == "0":
-        raise CpuKernelUnavailable("disabled by MINFER_CPU_KERNELS=0")
-    try:
-        from torch.utils.cpp_extension import load
-
-        # One build directory per checkout and source version, so that two checkouts (or an old and a new
-        # version) used in turn do not keep rebuilding each other's library.
-        key = hashlib.sha1(f"{SOURCE}\n{CFLAGS}\n{_cpu_identity()}\n".encode() + SOURCE.read_bytes()).hexdigest()[:12]
-        path = load(name=f"minfer_paged_decode_cpu_{key}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                    extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-        lib = ctypes.CDLL(path)
-    except Exception as e:  # a missing compiler/ninja shows up as many different exception types
-        raise CpuKernelUnavailable(f"building {SOURCE.name} failed: {type(e).__name__}: {e}") from e
+    lib = load_cpu_library(SOURCE, "minfer_paged_decode_cpu", CFLAGS, CpuKernelUnavailable)
     f = lib.minfer_paged_decode_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     f.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64, ptr,

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
 from pathlib import Path
 
 import torch
@@ -39,19 +37,9 @@ def _library() -> ctypes.CDLL:
     Raises:
         Int8GroupKernelUnavailable: disabled by MINFER_CPU_KERNELS=0, or the build or load failed.
     """
-    if os.environ.get("MINFER_CPU_KERNELS", "1") == "0":
-        raise Int8GroupKernelUnavailable("disabled by MINFER_CPU_KERNELS=0")
-    try:
-        from torch.utils.cpp_extension import load
+    from minfer.attention.cpu import load_cpu_library
 
-        from minfer.attention.cpu import _cpu_identity
-
-        key = hashlib.sha1(f"{SOURCE}\n{CFLAGS}\n{_cpu_identity()}\n".encode() + SOURCE.read_bytes()).hexdigest()[:12]
-        path = load(name=f"minfer_int8_group_cpu_{key}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                    extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-        lib = ctypes.CDLL(path)
-    except Exception as e:  # a missing compiler/ninja shows up as many different exception types
-        raise Int8GroupKernelUnavailable(f"building {SOURCE.name} failed: {type(e).__name__}: {e}") from e
+    lib = load_cpu_library(SOURCE, "minfer_int8_group_cpu", CFLAGS, Int8GroupKernelUnavailable)
     f = lib.minfer_int8_group_matmul
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     f.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
