@@ -459,6 +459,61 @@ def test_torchrun_backend_equals_one_rank(rand_model, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_torchrun_two_nodes_equals_one_rank(rand_model, tmp_path):
+    """`torchrun --nnodes 2`, as across two machines: two launchers (node ranks 0 and 1, one process each) meet at
+    a static rendezvous on MASTER_ADDR, so LOCAL_WORLD_SIZE (1) < WORLD_SIZE (2) and every cross-node rule
+    applies (the control connections need MINFER_DIST_AUTHKEY; without it node 0 refuses). Both launchers run
+    on this one machine over loopback: the multi-node code path, not a real network."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import json, sys\n"
+        "from minfer import LLM, SamplingParams\n"
+        f"llm = LLM(model={rand_model!r}, tensor_parallel_size=2, distributed_executor_backend='torchrun',\n"
+        "          attention_backend='torch', max_model_len=96, kv_cache_memory_bytes=1 << 22, seed=0)\n"
+        f"outs = llm.generate({_prompts(3)!r}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))\n"
+        "print('RESULT', json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)\n"
+        "llm.llm_engine.executor.shutdown()\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def launch(node_rank: int, port: int, key: str | None) -> subprocess.Popen:
+        env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env.pop("MINFER_DIST_AUTHKEY", None)
+        if key is not None:
+            env["MINFER_DIST_AUTHKEY"] = key
+        return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
+                                 "1", "--node-rank", str(node_rank), "--master-addr", "127.0.0.1", "--master-port",
+                                 str(port), str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+
+    def run_pair(key: str | None) -> tuple[subprocess.Popen, str, str]:
+        port = _free_port_pair()
+        nodes = [launch(0, port, key), launch(1, port, key)]
+        try:
+            out0, err0 = nodes[0].communicate(timeout=240)
+        finally:
+            for n in nodes:
+                if n.poll() is None:
+                    n.kill()
+                n.wait(timeout=30)
+        return nodes[0], out0, err0
+
+    node0, out, err = run_pair(None)  # across machines the control channel needs a shared secret
+    assert node0.returncode != 0 and "MINFER_DIST_AUTHKEY" in err, err[-3000:]
+    node0, out, err = run_pair("a-shared-secret-for-this-test")
+    assert node0.returncode == 0, err[-3000:]
+    got = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT"))[7:])
+    llm = LLM(model=rand_model, attention_backend="torch", max_model_len=96, kv_cache_memory_bytes=1 << 22, seed=0)
+    want = [o.outputs[0].token_ids for o in llm.generate(_prompts(3), SamplingParams(temperature=0, max_tokens=8,
+                                                                                      ignore_eos=True))]
+    assert got == want
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("quantization, config", [("int8", None), ("int4", {"group_size": 32})])
 def test_quantized_shards_equal_quantized_one_rank(rand_model, quantization, config):
     """The parallel layers compose with the quantization methods: each rank quantizes its shard after loading.

@@ -200,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp-model", default="smollm2-135m-instruct",
                     help="model of the TP measurement (default: SmolLM2, whose 9 heads split over 3 ranks)")
     ap.add_argument("--tp-sizes", default="1,3", help="TP sizes (default 1,3; 1 is the baseline)")
+    ap.add_argument("--rows", type=int, default=32, help="sequences per pipeline step (default 32; m of them "
+                    "split into micro-batches, so m=8 with 32 rows is four sequences per micro-batch)")
+    ap.add_argument("--prompt-len", type=int, default=128, help="prefill tokens per sequence (default 128)")
     ap.add_argument("--skip-tp", action="store_true", help="only the pipeline bubble")
     ap.add_argument("--json", default=None, help="write the results here")
     a = ap.parse_args(argv)
@@ -215,10 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = save_random_llama(Path(tmp) / "bubble", layers=12, hidden=256, heads=8, kv_heads=2,
                                   intermediate=768, vocab=512)
-        log(f"pipeline bubble: random Llama, 12 layers x 256 wide; 8 sequences; p={stages}, m={micro}")
+        log(f"pipeline bubble: random Llama, 12 layers x 256 wide; {a.rows} sequences of {a.prompt_len} "
+            f"tokens; p={stages}, m={micro}")
         result["bubble"] = dict(model="random Llama: 12 layers, hidden 256, 8 heads / 2 KV heads, vocab 512",
-                                rows=8, prefill_tokens_per_row=128,
-                                points=_bubble_points(model, stages, micro, rows=8, prompt_len=128,
+                                rows=a.rows, prefill_tokens_per_row=a.prompt_len,
+                                points=_bubble_points(model, stages, micro, rows=a.rows, prompt_len=a.prompt_len,
                                                       repeats=a.repeats, log=log))
     if not a.skip_tp:
         sizes = [int(x) for x in a.tp_sizes.split(",")]
