@@ -140,6 +140,30 @@ def test_stage_layers_and_micro_batches():
     assert bubble_fraction(ev) == pytest.approx(0.5)  # two stages, one micro-batch: each idle half the span
 
 
+@pytest.mark.parametrize("p,m", [(2, 4), (3, 8), (4, 2)])
+def test_explain_gap_splits_the_gap_into_stage_times_and_hand_offs(p, m):
+    from minfer.bench.parallel import explain_gap
+
+    # A GPipe timeline built by hand: stage s's micro-batch takes t[s] ms, each hand-off h ms.
+    t, h = [3.0 + s for s in range(p)], 0.5
+    end = {}
+    for i in range(m):
+        for s in range(p):
+            start = max(end.get((i, s - 1), -h) + h, end.get((i - 1, s), 0.0))
+            end[(i, s)] = start + t[s]
+    span = end[(m - 1, p - 1)]
+    measured = 1 - m * sum(t) / (p * span)
+    pt = explain_gap(dict(stages=p, micro_batches=m, stage_forward_ms=t, measured_bubble=measured))
+    assert pt["step_span_ms"] == pytest.approx(span, abs=1e-3)
+    assert pt["span_from_stage_times_ms"] == pytest.approx(sum(t) + (m - 1) * max(t))
+    assert pt["bubble_from_stage_times"] > gpipe_bubble(p, m)  # unequal stages idle more than the formula
+    assert pt["between_forwards_ms"] == pytest.approx((p - 1) * h, abs=1e-3)  # the hops on the critical path
+    equal = explain_gap(dict(stages=p, micro_batches=m, stage_forward_ms=[2.0] * p,
+                             measured_bubble=gpipe_bubble(p, m)))
+    assert equal["bubble_from_stage_times"] == pytest.approx(gpipe_bubble(p, m), abs=1e-4)
+    assert equal["between_forwards_ms"] == pytest.approx(0, abs=1e-3)
+
+
 # -- bad sizes -----------------------------------------------------------------------------------------------
 def _cfg(**kw):
     base = dict(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=576, intermediate_size=1536,
