@@ -272,6 +272,8 @@ class MultiprocExecutor:
                 s.prompt_logprobs = plp[s.seq_id]
 
     def release(self, seq_ids: list[int]) -> None:
+        if self._failed:  # the workers are gone with what they held; the driver still frees its blocks
+            return
         self._run("release", seq_ids)
 
     def set_num_micro_batches(self, m: int) -> None:
