@@ -317,6 +317,11 @@ class LLMEngine:
         if self.spec_decoder is not None:
             self.spec_decoder.release([s.seq_id for s in seqs])
 
+    def check_health(self) -> None:
+        """Raise if the executor's workers cannot run a step (`WorkerDiedError`: a parallel worker exited);
+        vLLM's `check_health`. The server calls it while idle, so a death is seen without a request."""
+        self.executor.check_health()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

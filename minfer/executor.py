@@ -183,6 +183,17 @@ class MultiprocExecutor:
             if p.poll() is not None:
                 self._fail(f"worker rank {rank} (pid {p.pid}) exited with code {p.returncode}")
 
+    def _wait_for_a_dead_worker(self, timeout: float) -> None:
+        """Raise WorkerDiedError naming the worker if one exits within `timeout` seconds. gloo's "connection
+        closed" can reach rank 0 before the killed process is a zombie that `poll()` sees; the error then
+        names the rank that died, not the collective that noticed it."""
+        deadline = time.monotonic() + timeout
+        while self._procs:
+            self._check_procs()
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+
     def _fail(self, why: str):
         self._failed = why
         self.shutdown()
@@ -224,7 +235,7 @@ class MultiprocExecutor:
         try:
             mine = getattr(self.driver_worker, method)(*a)
         except Exception as exc:  # noqa: BLE001 - e.g. gloo's "connection closed by peer" when a rank died
-            self._check_procs()
+            self._wait_for_a_dead_worker(2.0)
             self._fail(f"rank 0 failed in {method} ({type(exc).__name__}: {exc})")
         try:
             results = self._gather(method, timeout=None)
@@ -261,6 +272,8 @@ class MultiprocExecutor:
                 s.prompt_logprobs = plp[s.seq_id]
 
     def release(self, seq_ids: list[int]) -> None:
+        if self._failed:  # the workers are gone with what they held; the driver still frees its blocks
+            return
         self._run("release", seq_ids)
 
     def set_num_micro_batches(self, m: int) -> None:

@@ -9,7 +9,9 @@
   replicated), PP=2, PP=3 and TP=2 x PP=2 equal TP=1 token for token, with chunked prefill, prefix caching
   and preemption by recompute; TP=3 on SmolLM2 (9 / 3 heads) equals TP=1.
 - A worker that dies fails the next step with WorkerDiedError at once, never a hang; bad sizes are refused
-  before loading with clear errors.
+  before loading with clear errors. Through the server (TP=2 and PP=2, the engine in its own process or in a
+  thread, `--no-engine-process`): a worker SIGKILLed during a stream ends it with an error event, or while
+  idle turns /health to 503 within seconds; every later request is a 503 with OpenAI's error body.
 
 Every multi-process test is bounded (the executor's own waits, and pytest-timeout).
 
@@ -138,6 +140,30 @@ def test_stage_layers_and_micro_batches():
     assert gpipe_bubble(4, 8) == pytest.approx(3 / 11)
     ev = [dict(step=1, stage=s, tp_rank=0, micro_batch=0, start=s, end=s + 1, num_tokens=1) for s in range(2)]
     assert bubble_fraction(ev) == pytest.approx(0.5)  # two stages, one micro-batch: each idle half the span
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (3, 8), (4, 2)])
+def test_explain_gap_splits_the_gap_into_stage_times_and_hand_offs(p, m):
+    from minfer.bench.parallel import explain_gap
+
+    # A GPipe timeline built by hand: stage s's micro-batch takes t[s] ms, each hand-off h ms.
+    t, h = [3.0 + s for s in range(p)], 0.5
+    end = {}
+    for i in range(m):
+        for s in range(p):
+            start = max(end.get((i, s - 1), -h) + h, end.get((i - 1, s), 0.0))
+            end[(i, s)] = start + t[s]
+    span = end[(m - 1, p - 1)]
+    measured = 1 - m * sum(t) / (p * span)
+    pt = explain_gap(dict(stages=p, micro_batches=m, stage_forward_ms=t, measured_bubble=measured))
+    assert pt["step_span_ms"] == pytest.approx(span, abs=1e-3)
+    assert pt["span_from_stage_times_ms"] == pytest.approx(sum(t) + (m - 1) * max(t))
+    assert pt["bubble_from_stage_times"] > gpipe_bubble(p, m)  # unequal stages idle more than the formula
+    assert pt["between_forwards_ms"] == pytest.approx((p - 1) * h, abs=1e-3)  # the hops on the critical path
+    equal = explain_gap(dict(stages=p, micro_batches=m, stage_forward_ms=[2.0] * p,
+                             measured_bubble=gpipe_bubble(p, m)))
+    assert equal["bubble_from_stage_times"] == pytest.approx(gpipe_bubble(p, m), abs=1e-4)
+    assert equal["between_forwards_ms"] == pytest.approx(0, abs=1e-3)
 
 
 # -- bad sizes -----------------------------------------------------------------------------------------------
@@ -323,7 +349,7 @@ def test_dead_worker_fails_requests_without_hanging(rand_model):
         assert time.perf_counter() - t0 < 60
         with pytest.raises(WorkerDiedError):  # and every later call at once
             ex.check_health()
-        assert llm.llm_engine.all_blocks_free() or True
+        assert llm.llm_engine.all_blocks_free()  # the failed request was aborted: no KV block leaked
     finally:
         ex.shutdown()
 
@@ -386,30 +412,91 @@ def _descendants(pid: int) -> list[tuple[int, str]]:
     return out
 
 
+def _kill_worker_1() -> None:
+    import signal
+
+    procs = [(pid, cmd) for pid, cmd in _descendants(os.getpid()) if "worker_main(1)" in cmd]
+    assert len(procs) == 1, procs
+    os.kill(procs[0][0], signal.SIGKILL)  # the worker this test's server started
+
+
+def _stream_in_thread(url: str, body: dict, first_chunk) -> tuple:
+    """Stream `body` from a thread; `first_chunk` is set once the first token arrived. Returns (thread, lines)."""
+    import threading
+
+    import httpx
+
+    lines: list[str] = []
+
+    def run():
+        with httpx.stream("POST", url + "/v1/completions", json=dict(body, stream=True), timeout=120) as r:
+            lines.append(str(r.status_code))
+            for line in r.iter_lines():
+                if not line:
+                    continue
+                lines.append(line)
+                if line.startswith("data: {"):
+                    first_chunk.set()
+        first_chunk.set()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, lines
+
+
+# The engine in its own process (the default), or in a thread of the server (--no-engine-process); a
+# worker killed while a stream is in flight, or while the server is idle (only /health can notice then).
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc to find the worker process")
-def test_server_with_a_dead_worker_fails_requests_and_reports_unhealthy(rand_model):
-    import signal
+@pytest.mark.parametrize("parallel,engine_process,when", [
+    (["--tensor-parallel-size", "2"], True, "in_flight"),
+    (["--tensor-parallel-size", "2"], False, "in_flight"),
+    (["--pipeline-parallel-size", "2"], False, "idle"),
+    (["--pipeline-parallel-size", "2"], True, "idle"),
+], ids=["tp2-engine-process", "tp2-thread-in-flight", "pp2-thread-idle", "pp2-engine-process-idle"])
+def test_server_with_a_dead_worker_fails_requests_and_reports_unhealthy(rand_model, parallel, engine_process, when):
+    import json
+    import threading
 
     import httpx
 
     from .serving import running_server
 
-    args = [rand_model, "--tensor-parallel-size", "2", "--attention-backend", "torch", "--max-model-len", "96",
-            "--kv-cache-memory-bytes", "4M"]
+    args = [rand_model, *parallel, "--attention-backend", "torch", "--max-model-len", "512",
+            "--kv-cache-memory-bytes", "4M", *([] if engine_process else ["--no-engine-process"])]
     with running_server(args, check_log=False) as url:
         body = dict(model=rand_model, prompt="w3 w4 w5", max_tokens=4, temperature=0)
         assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
-        procs = [(pid, cmd) for pid, cmd in _descendants(os.getpid()) if "worker_main(1)" in cmd]
-        assert len(procs) == 1, procs
-        os.kill(procs[0][0], signal.SIGKILL)  # the worker this test's server started
+        stream = None
+        if when == "in_flight":  # a long answer, so that the worker dies while it streams
+            first = threading.Event()
+            stream = _stream_in_thread(url, dict(body, max_tokens=480, ignore_eos=True), first)
+            assert first.wait(60), "the stream sent nothing"
+        _kill_worker_1()
         t0 = time.perf_counter()
-        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
-        assert r.status_code >= 500 and "rank 1" in r.text, r.text
-        while httpx.get(url + "/health", timeout=5).status_code != 503:
-            assert time.perf_counter() - t0 < 60, "the server still reports healthy"
-            time.sleep(0.5)
+        if stream is not None:  # the in-flight stream ends with an OpenAI error event, then [DONE]
+            stream[0].join(60)
+            assert not stream[0].is_alive(), "the in-flight stream still runs after 60 s"
+            lines = stream[1]
+            errors = [json.loads(x[6:]) for x in lines if x.startswith("data: {") and '"error"' in x]
+            assert lines[0] == "200" and lines[-1] == "data: [DONE]", lines[-3:]
+            assert len(errors) == 1 and errors[0]["error"]["type"] == "server_error", errors
+            assert "rank 1" in errors[0]["error"]["message"], errors
+        else:  # nothing runs: the engine notices on its own, and /health says so
+            while httpx.get(url + "/health", timeout=5).status_code != 503:
+                assert time.perf_counter() - t0 < 30, "the server still reports healthy 30 s after the death"
+                time.sleep(0.5)
+        for stream_it in (False, True):  # every later request: a 503 with OpenAI's error body, at once
+            t1 = time.perf_counter()
+            r = httpx.post(url + "/v1/completions", json=dict(body, stream=stream_it), timeout=60)
+            assert time.perf_counter() - t1 < 10
+            assert r.status_code == 503, (r.status_code, r.text)
+            err = r.json()["error"]
+            assert err["type"] == "server_error" and "rank 1" in err["message"], err
+        h = httpx.get(url + "/health", timeout=5)
+        assert h.status_code == 503 and "rank 1" in h.json()["error"]["message"], h.text
+        assert time.perf_counter() - t0 < 60
 
 
 def _free_port_pair() -> int:

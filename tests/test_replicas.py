@@ -3,7 +3,8 @@
 - `python -m minfer.serve --data-parallel-size 2`: two engine processes behind the server's router; 16
   concurrent streams end with 0 errors, each greedy text equal to the same request answered alone, both
   replicas used and labelled in /metrics; a SIGKILLed replica fails its stream in flight with an error (not
-  a hang), /health answers 503 naming it, and new requests go to the live replica.
+  a hang), /health answers 503 naming it, and new requests go to the live replica. With
+  `--tensor-parallel-size 2` too, each replica is a TP=2 job of its own, with the same greedy answers.
 - An external router: vllm-router (PyPI, its own venv; set MINFER_VLLM_ROUTER to its executable or put it
   on PATH) in front of two `python -m minfer.serve` processes, 16 concurrent requests with 0 errors and
   both servers used. Skipped when vllm-router is not installed.
@@ -97,6 +98,30 @@ def test_two_replicas_serve_16_streams_and_a_dead_one_is_reported(tiny):
         assert r.status_code == 200, r.text  # the live replica serves
         assert r.json()["choices"][0]["text"] == results[3][0]
         assert 'minfer:replica_up{model_name="%s",replica="0"} 0.0' % tiny in httpx.get(url + "/metrics").text
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc to find the worker processes")
+def test_each_replica_may_be_tensor_parallel(tiny):
+    # -dp 2 -tp 2: two engine processes, each the driver of a TP=2 job with its own spawned worker; greedy
+    # answers equal one process's.
+    from minfer import LLM, SamplingParams
+    from tests.test_parallel import _descendants
+
+    with running_server(["--model", tiny, "--data-parallel-size", "2", "--tensor-parallel-size", "2",
+                         "--router-policy", "round_robin", "--attention-backend", "torch", *ARGS],
+                        check_log=False) as url:
+        workers = [pid for pid, cmd in _descendants(os.getpid()) if "worker_main(1)" in cmd]
+        assert len(workers) == 2, workers  # one TP worker per replica
+        results, _ = _streams(url, tiny, n=4, max_tokens=8)
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+    assert all(errors == [] for _, errors in results), results
+    for r in ("0", "1"):  # round_robin: both replicas answered
+        line = next(x for x in metrics.splitlines()
+                    if x.startswith("minfer:router_requests_routed_total") and f'replica="{r}"' in x)
+        assert float(line.split()[-1]) == 2, line
+    llm = LLM(model=tiny, max_model_len=256, kv_cache_memory_bytes=16 << 20, attention_backend="torch")
+    outs = llm.generate([_prompt(i) for i in range(4)], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert [t for t, _ in results] == [o.outputs[0].text for o in outs]
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -2,13 +2,14 @@
 
 - The pipeline bubble: for p stages and m micro-batches, the idle share of the stages' time measured from the
   timeline of real runs (`minfer.parallel.timeline`), against GPipe's (p - 1) / (m + p - 1), for a decode step
-  (one token per sequence) and a prefill-sized one (128 tokens per sequence), on a random 12-layer Llama.
+  (one token per sequence) and a prefill-sized one (128 tokens per sequence), on a random 12-layer Llama;
+  per point, what the gap is made of (`explain_gap`: unequal stages, the time between forwards).
 - Tensor parallelism: tokens/s at TP=1 and TP=N on the real model, the all-reduce time per token and its
   share of the forward (rank 0's wall clock inside `dist.all_reduce`, which includes waiting for the
   slowest rank), and what the same all-reduces (their measured count and size) would take on a GPU link,
   computed for assumed NVLink and PCIe figures (stated as computed, not measured).
 
-    python -m minfer.bench parallel [--stages 2,3,4] [--micro-batches 1,2,4,8] [--json assets/benchmarks/parallel_cpu.json]
+    python -m minfer.bench parallel [--stages 2,3,4] [--micro-batches 1,2,4,8] [--rows 8] [--json assets/benchmarks/parallel_cpu.json]
 """
 
 from __future__ import annotations
@@ -106,12 +107,29 @@ def _bubble_points(model: str, stages: list[int], micro: list[int], rows: int, p
                               stage_forward_ms=[round(statistics.fmean(c), 3) for c in zip(*stage_ms)],
                               runs=[round(f, 4) for f in fracs])
                     pt["gap"] = pt["measured_bubble"] - pt["formula_bubble"]
+                    explain_gap(pt)
                     points.append(pt)
                     log(f"  p={p} m={m} {workload:7s}: idle {pt['measured_bubble']:.3f}  formula "
                         f"{pt['formula_bubble']:.3f}  gap {pt['gap']:+.3f}  stage forward ms {pt['stage_forward_ms']}")
         finally:
             ex.shutdown()
     return points
+
+
+def explain_gap(pt: dict) -> dict:
+    """Add to one bubble point what its gap from the formula is made of (times in ms, from its own numbers):
+    `step_span_ms` = busy / (p x (1 - measured bubble)); `span_from_stage_times_ms` = the step with the
+    measured, unequal stage forward times and instant hand-offs (their sum + (m - 1) x the longest);
+    `bubble_from_stage_times`, that step's idle share; `between_forwards_ms`, the rest of the measured step:
+    building each micro-batch's inputs and the send/recv between stages. Means and a median are mixed, so
+    the split holds to about 2% of a step."""
+    p, m, t = pt["stages"], pt["micro_batches"], pt["stage_forward_ms"]
+    busy = m * sum(t)
+    span = busy / (p * (1 - pt["measured_bubble"]))
+    ideal = sum(t) + (m - 1) * max(t)
+    pt.update(step_span_ms=round(span, 3), span_from_stage_times_ms=round(ideal, 3),
+              bubble_from_stage_times=round(1 - busy / (p * ideal), 4), between_forwards_ms=round(span - ideal, 3))
+    return pt
 
 
 def _tp_points(model: str, sizes: list[int], decode_tokens: int, prompt_len: int, log) -> list[dict]:

@@ -95,6 +95,7 @@ class MPEngineClient:
         self.engine_view: EngineView | None = None
         self.engine_pid: int | None = None
         self.exit_reason: str | None = None
+        self._fatal_reason: str | None = None  # the message of a "fatal" that ended the engine
         self._routes: dict[str, _Route] = {}
         self._lock = threading.Lock()  # routes are touched by the event loop and the receiver thread
         self._unpack = lambda b: msgpack.unpackb(b, raw=False, strict_map_key=False)
@@ -259,6 +260,8 @@ class MPEngineClient:
             if first or code is not None:  # a failed send may come first; the exit code, once known, is told
                 reason = (f"the engine process died (exit code {code}); restart the server" if code is not None
                           else "the engine process is gone (it stopped reading requests); restart the server")
+                if self._fatal_reason:  # the engine said why before it ended (a dead parallel worker)
+                    reason = f"{self._fatal_reason}; {reason}"
                 if reason != self.exit_reason:
                     self.exit_reason = reason
                     logger.error(reason)
@@ -325,6 +328,7 @@ class MPEngineClient:
         elif kind == "fatal":
             _, rids, text = msg[:3]
             if len(msg) > 3 and msg[3] == 503:  # the step's failure ends the engine (a dead worker)
+                self._fatal_reason = text  # why the process is about to exit: later 503s and /health say it
                 text = APIError(503, text)
             self.num_step_errors += 1
             if self.metrics is not None:

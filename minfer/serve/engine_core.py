@@ -138,6 +138,7 @@ class EngineCore:
         self.sent: dict[str, _Sent] = {}
         self.parent = os.getppid()
         self._last_stats = 0.0
+        self._last_health_check = 0.0
         self._added: list[str] = []
         self._jobs: list = []  # (job_id, fn) waiting for an idle engine
         self._deferred: list = []  # "add" commands that arrived while a job waited
@@ -215,6 +216,22 @@ class EngineCore:
             self._added = []
         return True
 
+    def _check_health_when_idle(self) -> None:
+        """`engine.check_health()` at most once a second. A dead parallel worker seen while idle is told to the
+        API process (a "fatal" for no request, 503: its /health then says why), and this process ends."""
+        now = time.perf_counter()
+        if now - self._last_health_check < 1.0 or not hasattr(self.engine, "check_health"):
+            return
+        self._last_health_check = now
+        try:
+            self.engine.check_health()
+        except Exception as exc:
+            if not getattr(exc, "fatal", False):
+                raise
+            logger.error("engine health check failed: %s", exc)
+            self._send(["fatal", [], f"engine error: {type(exc).__name__}: {exc}", 503])
+            raise
+
     def run(self) -> None:
         engine = self.engine
         while True:
@@ -224,6 +241,7 @@ class EngineCore:
                 if os.getppid() != self.parent:  # the API process is gone: nobody will read our outputs
                     logger.info("parent process exited; engine core stops")
                     return
+                self._check_health_when_idle()
                 continue
             if ran:
                 self._send(["stats", self._stats()])

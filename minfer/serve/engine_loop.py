@@ -4,7 +4,9 @@
 `engine.step()` calls the thread drains an inbound queue of commands (add a request, abort requests), then
 hands each step's outputs to the asyncio queue of the HTTP request that asked for them
 (`loop.call_soon_threadsafe`). A request the engine rejects (`ValueError` from `add_request`) gets its error
-back on its own queue; the loop goes on. A job (`run_when_idle`: beam search, which steps the executor itself)
+back on its own queue; the loop goes on. A failure that ends the engine (`WorkerDiedError`: a tensor- or
+pipeline-parallel worker died, seen by a step or, while idle, by `engine.check_health()` once a second) ends
+the loop: every request in flight, queued or sent later gets a 503 at once, and /health answers 503. A job (`run_when_idle`: beam search, which steps the executor itself)
 runs on the same thread once no request is unfinished; requests added while it waits wait behind it, so a
 busy server drains for it instead of starving it. The same thread updates the Prometheus metrics. vLLM splits the same
 job between `AsyncLLM` (the asyncio side) and its engine-core process (`vllm/v1/engine/`).
@@ -125,6 +127,11 @@ class EngineLoop:
         self.num_step_errors = 0
         self._jobs: deque = deque()  # (job_id, fn, route) waiting for an idle engine
         self._deferred: list = []  # "add" commands that arrived while a job waited
+        self.exit_reason: str | None = None  # set when a failure ended the engine (a dead parallel worker)
+        # Held while a command is queued and while the loop declares the engine dead: a command is either
+        # queued before the death (and answered by the loop as it ends) or refused with a 503, never lost.
+        self._dead_lock = threading.Lock()
+        self._last_health_check = 0.0
         try:
             self.kv_pool_info = dict(engine.kv_pool_info())
         except Exception:  # noqa: BLE001 - optional
@@ -134,6 +141,8 @@ class EngineLoop:
     # --- called from the event loop ------------------------------------------------------------------------
     def start(self) -> None:
         with self._start_lock:
+            if self.exit_reason is not None:  # the engine cannot run steps any more: nothing to restart
+                return
             if self._thread is not None and self._thread.is_alive():
                 return
             self._stop.clear()
@@ -151,9 +160,10 @@ class EngineLoop:
         return self._thread is not None and self._thread.is_alive()
 
     def add(self, request_id: str, prompt, params: SamplingParams, q: asyncio.Queue, arrival: float) -> None:
-        """Queue `engine.add_request`; the answer ("added" or "error") arrives on `q`."""
+        """Queue `engine.add_request`; the answer ("added" or "error") arrives on `q` (an `APIError(503)` once
+        the engine has died)."""
         self.start()
-        self._commands.put(("add", request_id, prompt, params, arrival, asyncio.get_running_loop(), q))
+        self._queue_or_refuse(("add", request_id, prompt, params, arrival, asyncio.get_running_loop(), q))
 
     def abort(self, request_ids: list[str]) -> None:
         if request_ids:
@@ -164,11 +174,18 @@ class EngineLoop:
         request. Its result arrives on `q` as `(job_id, "done", value)`, or `(job_id, "error", exc)` if it
         raised (the loop goes on either way). Requests added meanwhile are held until the job ran."""
         self.start()
-        self._commands.put(("job", job_id, fn, asyncio.get_running_loop(), q))
+        self._queue_or_refuse(("job", job_id, fn, asyncio.get_running_loop(), q))
 
     def cancel_job(self, job_id: str) -> None:
         """Drop a job that has not started (its client left); one already running finishes."""
         self._commands.put(("cancel_job", job_id))
+
+    def _queue_or_refuse(self, cmd) -> None:
+        with self._dead_lock:
+            if self.exit_reason is None:
+                self._commands.put(cmd)
+                return
+        cmd[-1].put_nowait((cmd[1], "error", APIError(503, self.exit_reason)))  # on the event loop: no hop
 
     # --- engine thread -------------------------------------------------------------------------------------
     def _post(self, route: _Route, *event) -> None:
@@ -286,7 +303,9 @@ class EngineLoop:
             self._post(route, out.request_id, "output", snap)
         return any_finished
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message) -> None:
+        """Abort every request in flight and give each a "fatal" event with `message` (a str: 500; an
+        APIError keeps its status)."""
         rids = list(self._routes)
         routes = [self._routes.pop(r) for r in rids]
         try:
@@ -296,6 +315,36 @@ class EngineLoop:
             logger.exception("abort after a failed step failed too")
         for rid, route in zip(rids, routes):
             self._post(route, rid, "fatal", message)
+
+    def _check_health_when_idle(self) -> None:
+        """`engine.check_health()` at most once a second: an idle engine's dead worker is seen by /health too."""
+        now = time.perf_counter()
+        if now - self._last_health_check >= 1.0 and hasattr(self.engine, "check_health"):
+            self._last_health_check = now
+            self.engine.check_health()
+
+    def _end(self, exc: Exception) -> None:
+        """The engine cannot run steps any more: answer everything in flight, queued or waiting with a 503."""
+        err = APIError(503, f"engine error: {type(exc).__name__}: {exc}; restart the server")
+        with self._dead_lock:  # from here on `add` and `run_when_idle` refuse at once
+            self.exit_reason = err.message
+        logger.error("the engine loop ends: %s", err.message)
+        self._fail_all(err)
+        pending = [c for c in self._deferred] + [(j[0], j[2]) for j in self._jobs]
+        self._deferred, self._jobs = [], deque()
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] in ("add", "job"):
+                pending.append(cmd)
+        for cmd in pending:
+            if len(cmd) == 2:  # a waiting job: (job_id, route)
+                self._post(cmd[1], cmd[0], "error", err)
+            else:
+                self._post(_Route(cmd[-2], cmd[-1], 0.0), cmd[1], "error", err)
+        self._refresh_stats(force=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -312,6 +361,7 @@ class EngineLoop:
                 if not self.engine.has_unfinished_requests():
                     if not ran:
                         self._refresh_stats(force=True)
+                    self._check_health_when_idle()
                     continue
                 outputs = self.engine.step()
                 self.num_steps += 1
@@ -320,14 +370,17 @@ class EngineLoop:
                 finished = self._dispatch(outputs)
                 self._refresh_stats(force=finished)
             except Exception as exc:  # noqa: BLE001 - the loop must not die
+                if getattr(exc, "fatal", False):  # a dead parallel worker: the loop ends, /health turns 503
+                    self.num_step_errors += 1
+                    if self.metrics is not None:
+                        self.metrics.count_step_error()
+                    self._end(exc)
+                    break
                 self.num_step_errors += 1
                 if self.metrics is not None:
                     self.metrics.count_step_error()
                 logger.error("engine step failed: %s\n%s", exc, traceback.format_exc())
                 self._fail_all(f"engine error: {type(exc).__name__}: {exc}")
-                if getattr(exc, "fatal", False):  # a dead parallel worker: the loop ends, /health turns 503
-                    self.exit_reason = f"engine error: {type(exc).__name__}: {exc}"
-                    break
                 time.sleep(0.01)
 
 
