@@ -72,7 +72,8 @@ class BeamSearchRunner:
         with its own copy of all generated tokens, plus one copy-on-write block per beam."""
         bs = self.bm.block_size
         gen = -(-(min(prompt_len + params.max_tokens, self.max_model_len) - prompt_len + bs) // bs)
-        return self.bm.blocks_needed(prompt_len) + params.beam_width * (gen + 1)
+        # A hybrid KV cache (Gemma 3) holds one table per layer group, each growing alike.
+        return self.bm.num_block_tables * (self.bm.blocks_needed(prompt_len) + params.beam_width * (gen + 1))
 
     def run(self, prompts: list[list[int]], params: BeamSearchParams) -> list[list[tuple]]:
         """Search every prompt; returns per prompt up to beam_width (score, output ids, logprobs, eos?) tuples,
@@ -111,9 +112,7 @@ class BeamSearchRunner:
             for b in s.running:
                 seq = b.seq
                 self.bm.append_slots(seq, 1)
-                cow = self.bm.copy_on_write(seq, seq.num_computed_tokens)
-                if cow is not None:
-                    batch.copy.append(cow)
+                batch.copy.extend(self.bm.copies_before_write(seq, seq.num_computed_tokens))
                 batch.seqs.append(seq), batch.num_new_tokens.append(1)
         self._forward(searches, batch)
 
@@ -221,13 +220,11 @@ def run_beam_search(engine, prompts: list[list[int]], params: BeamSearchParams, 
     pool at the worst case (no two beams sharing a generated block).
 
     Raises:
-        ValueError: a prompt whose beams could never fit in the KV pool (the message says what to lower), or
-            a block manager that cannot fork (a model with a hybrid KV cache).
+        ValueError: a prompt whose beams could never fit in the KV pool (the message says what to lower).
         RuntimeError: the engine has unfinished requests (the runner steps the executor itself).
     """
     if engine.has_unfinished_requests():
         raise RuntimeError("beam_search needs an idle engine; finish or abort the running requests first")
-    engine.block_manager.check_can_fork()  # before any block is taken: a hybrid KV cache cannot fork yet
     runner = BeamSearchRunner(engine.block_manager, engine.executor, engine.max_model_len,
                               engine.tokenizer.eos_token_ids)
     free = engine.block_manager.num_free_blocks

@@ -237,9 +237,6 @@ class BlockManager:
         return len(tail)
 
     # -- forking (beam search) ------------------------------------------------------------------------
-    def check_can_fork(self) -> None:
-        """Raises ValueError where `fork` is not built (the hybrid KV cache's manager); here it is."""
-
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give `child` the parent's blocks (beam search: a beam's continuations share its KV). Every block
         gains one reference; nothing is copied until a child writes into a shared block
@@ -270,6 +267,18 @@ class BlockManager:
         self._release(bid)
         seq.block_table[i] = new
         return bid, new
+
+    def copies_before_write(self, seq: Sequence, position: int) -> list[tuple[int, int]]:
+        """`copy_on_write` as a list of (source, new) copies: empty or one here, one per layer group that
+        shares the block in the hybrid KV cache's manager. Raises NoFreeBlocksError as `copy_on_write`."""
+        cow = self.copy_on_write(seq, position)
+        return [] if cow is None else [cow]
+
+    @property
+    def num_block_tables(self) -> int:
+        """Block tables a sequence holds (1; one per layer group in the hybrid KV cache's manager): growing
+        a sequence by one block takes this many blocks."""
+        return 1
 
     # -- swapping (article §8-1) ----------------------------------------------------------------------
     def can_swap_out(self, seq: Sequence) -> bool:
