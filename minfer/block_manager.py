@@ -29,7 +29,7 @@ from minfer.sequence import Sequence
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None
+    hash: int | tuple | None = None  # its key in `cached` (the hybrid KV cache's: (group, chain hash))
     token_ids: tuple = ()  # the tokens a hashed block holds, to rule out hash collisions
 
 
