@@ -9,7 +9,7 @@ is tested on two models trained here on the same text, with the same budget and 
 Both have ~0.86M parameters (their attention and MLP matrices have the same sizes), tied embeddings, and a
 byte-level vocabulary: token id = one UTF-8 byte (256 ids, no special tokens), so no tokenizer file is needed.
 They are trained on random 128-token windows of `minfer/data/eval_python_docs.txt` (Python documentation, PSF
-License), batch 32, AdamW, cosine learning rate, `--steps` steps (a few CPU minutes each on two cores), with
+License), batch 16, AdamW, cosine learning rate, `--steps` 250 steps (the same windows for both), with
 transformers' own modules (training is not what minfer teaches). `minfer/data/calib_python_docs.txt`, other topics
 of the same documentation, is held out: `benchmarks/positions_scaling.py --tiny` reads it out to 512 tokens (4x).
 
@@ -17,7 +17,7 @@ The weights are saved in float16 (~1.7 MB a model) under `assets/models/tiny-{ro
 Hugging Face directories (config.json + model.safetensors) that `minfer.model.loader.load_model` loads as the
 Llama / BLOOM checkpoints they are.
 
-    nice -n 19 python3 benchmarks/train_tiny_positions.py          # both models, ~5 min each on 2 shared cores
+    nice -n 19 python3 benchmarks/train_tiny_positions.py   # both models; 18-20 min each took one core of a loaded shared machine
 """
 
 from __future__ import annotations
