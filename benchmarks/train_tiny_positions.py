@@ -18,6 +18,9 @@ Hugging Face directories (config.json + model.safetensors) that `minfer.model.lo
 Llama / BLOOM checkpoints they are.
 
     nice -n 19 python3 benchmarks/train_tiny_positions.py   # both models; 18-20 min each took one core of a loaded shared machine
+
+The saved weights were made with `--kinds rope --threads 1` and `--kinds alibi --threads 1` run side by side
+(another thread count sums in another order: the weights would differ in the last bits, the losses would not).
 """
 
 from __future__ import annotations
