@@ -61,11 +61,15 @@ class BeamSearchRunner:
             (the runner steps the executor itself); cached prefixes are shared with later requests.
         executor: has `compute_logits(ScheduledBatch) -> (rows, float32 [rows, V] logits)`.
         max_model_len: the length limit; eos_token_ids: the ids that end a beam.
+        sliding_window: the scheduler's (`Scheduler.sliding_window`); when set, each beam's blocks behind the
+            window are released after every step, as the scheduler does (per layer group on a hybrid KV cache).
     """
 
-    def __init__(self, block_manager: BlockManager, executor, max_model_len: int, eos_token_ids):
+    def __init__(self, block_manager: BlockManager, executor, max_model_len: int, eos_token_ids,
+                 sliding_window: int | None = None):
         self.bm, self.executor, self.max_model_len = block_manager, executor, max_model_len
         self.eos = set(eos_token_ids)
+        self.sliding_window = sliding_window
 
     def blocks_needed(self, prompt_len: int, params: BeamSearchParams) -> int:
         """An upper bound on the blocks one prompt's search holds at once: the shared prompt, then every beam
@@ -124,6 +128,8 @@ class BeamSearchRunner:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             self.bm.register_computed_blocks(seq)
+            if self.sliding_window is not None:
+                self.bm.free_out_of_window(seq, self.sliding_window)
         # Kept for `select`, which reads each search's rows of this step's logits.
         row_of = {batch.seqs[j].seq_id: k for k, j in enumerate(rows)}
         self._logits = (logits, row_of)
@@ -226,7 +232,7 @@ def run_beam_search(engine, prompts: list[list[int]], params: BeamSearchParams, 
     if engine.has_unfinished_requests():
         raise RuntimeError("beam_search needs an idle engine; finish or abort the running requests first")
     runner = BeamSearchRunner(engine.block_manager, engine.executor, engine.max_model_len,
-                              engine.tokenizer.eos_token_ids)
+                              engine.tokenizer.eos_token_ids, engine.scheduler.sliding_window)
     free = engine.block_manager.num_free_blocks
     groups, need = [[]], 0
     for p in prompts:

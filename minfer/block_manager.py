@@ -242,10 +242,13 @@ class BlockManager:
         gains one reference; nothing is copied until a child writes into a shared block
         (`copy_on_write`). `child` must hold no blocks yet."""
         assert not child.block_table, "fork into a sequence that already holds blocks"
-        for bid in parent.block_table:
+        dead = self.window_freed.get(parent.seq_id, 0)  # placeholders released behind a window stay so
+        for bid in parent.block_table[dead:]:
             self.blocks[bid].ref_count += 1
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
+        if dead:
+            self.window_freed[child.seq_id] = dead
 
     def copy_on_write(self, seq: Sequence, position: int) -> tuple[int, int] | None:
         """Make the block that holds token `position` of `seq` its own before the next forward writes there.

@@ -302,12 +302,17 @@ def test_blocks_in_use_grow_with_the_global_group_only(gemma, bs):
 
 
 @pytest.mark.parametrize("bs,caching", [(1, False), (4, False), (4, True)])
-def test_beam_search_equals_transformers(gemma, bs, caching):
+def test_beam_search_equals_transformers(gemma, bs, caching, monkeypatch):
     """Beam search on the hybrid KV cache: every group's table forks, a shared partial block is copied in
-    every group before a beam writes it; beams and scores equal transformers' on a prompt past the window,
-    with the prefix cache on too (run twice: the second run hits), and every block comes back."""
+    every group before a beam writes it, blocks behind the window are released while the beams run; beams
+    and scores equal transformers' on a prompt past the window, with the prefix cache on too (run twice: the
+    second run hits), and every block comes back."""
     from minfer import BeamSearchParams
 
+    released = []
+    free = HybridBlockManager.free_out_of_window
+    monkeypatch.setattr(HybridBlockManager, "free_out_of_window",
+                        lambda self, seq, window=None: released.append(free(self, seq, window)) or released[-1])
     path, hf = gemma
     llm = LLM(model=str(path), max_model_len=96, kv_cache_memory_bytes=1 << 20, block_size=bs,
               attention_backend="torch", device="cpu", enable_prefix_caching=caching)
@@ -322,6 +327,7 @@ def test_beam_search_equals_transformers(gemma, bs, caching):
             assert beam.output_token_ids == hf_ids, k
             assert beam.score == pytest.approx(float(ref.sequences_scores[k]), abs=1e-3)
         assert llm.llm_engine.all_blocks_free() and not llm.llm_engine.block_manager.group_freed
+    assert sum(released) > 0  # the local group's blocks behind the window went back during the search
     if caching:
         assert llm.llm_engine.stats().prefix_cache_hits > 0
 
