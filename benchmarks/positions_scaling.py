@@ -24,6 +24,13 @@ CPython ships as `pydoc_data/topics.py` (the reference's topics, joined in key o
 segment of `--length` tokens. The RoPE module of the loaded model is swapped per method; nothing else changes.
 
     python3 benchmarks/positions_scaling.py --smollm2   # assets/benchmarks/positions_scaling_smollm2.json
+
+`--tiny` tests ALiBi's extrapolation claim on two tiny byte-level models trained for it by
+`benchmarks/train_tiny_positions.py` (one RoPE, one ALiBi, same text and budget, 128-token windows; no
+pretrained ALiBi model is available offline): loss against position to 512 on held-out text, the RoPE model
+under none / linear / NTK / dynamic / YaRN (factor 4 over 128), the ALiBi model with nothing changed.
+
+    python3 benchmarks/positions_scaling.py --tiny      # assets/benchmarks/positions_scaling_tiny.json (~1 min)
 """
 
 from __future__ import annotations
@@ -151,6 +158,90 @@ def smollm2_scaling(length: int, bucket: int, out_path: str) -> int:
     return 0
 
 
+TINY = ROOT / "assets" / "models"
+TINY_TRAINED = 128
+
+
+def tiny_settings(trained: int = TINY_TRAINED, factor: int = FACTOR) -> dict[str, tuple[str, dict]]:
+    """Per method: which tiny model (`benchmarks/train_tiny_positions.py`) and the config.json edits that set
+    it up to read `factor` x its trained length. ALiBi's "plain" changes nothing but the length limit."""
+    length = trained * factor
+    d = 32  # head_dim of the tiny RoPE model
+    return {
+        "rope none": ("rope", dict(max_position_embeddings=length)),
+        "rope linear": ("rope", dict(rope_scaling={"rope_type": "linear", "factor": float(factor)})),
+        "rope ntk": ("rope", dict(max_position_embeddings=length, rope_theta=10000.0 * factor ** (d / (d - 2)))),
+        "rope dynamic": ("rope", dict(rope_scaling={"rope_type": "dynamic", "factor": float(factor)})),
+        "rope yarn": ("rope", dict(max_position_embeddings=length, rope_scaling={
+            "rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": trained})),
+        "alibi plain": ("alibi", dict(seq_length=length)),
+    }
+
+
+def tiny_segments(num_segments: int, length: int) -> list[list[int]]:
+    """`num_segments` windows of `length` byte ids, evenly spread over the held-out text
+    (`minfer/data/calib_python_docs.txt`: Python documentation topics the tiny models were not trained on)."""
+    ids = list((ROOT / "minfer" / "data" / "calib_python_docs.txt").read_bytes())
+    stride = (len(ids) - length) // max(num_segments - 1, 1)
+    return [ids[i * stride:i * stride + length] for i in range(num_segments)]
+
+
+def tiny_loss_by_position(name: str, segments: list[list[int]], workdir: Path) -> torch.Tensor:
+    """Mean next-token loss `[L - 1]` of method `name` of `tiny_settings()` over the segments, through
+    minfer's loader and simple path (the saved float16 weights, run in float32)."""
+    kind, edits = tiny_settings(TINY_TRAINED, len(segments[0]) // TINY_TRAINED)[name]
+    src = TINY / f"tiny-{kind}-bytes"
+    d = workdir / name.replace(" ", "-")
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "model.safetensors").unlink(missing_ok=True)
+    (d / "model.safetensors").symlink_to(src / "model.safetensors")
+    cfg = json.loads((src / "config.json").read_text())
+    if "rope_parameters" in cfg:  # transformers 5 saves rope_parameters, which would win over the edits' fields
+        cfg["rope_theta"] = cfg.pop("rope_parameters")["rope_theta"]
+    cfg.update(edits)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return per_position_loss(d, segments)
+
+
+def tiny_scaling(num_segments: int, bucket: int, out_path: str) -> int:
+    """Loss against position to 4x the trained 128 tokens: the tiny RoPE model per scaling, the ALiBi one plain."""
+    t0 = time.perf_counter()
+    length = TINY_TRAINED * FACTOR
+    segments = tiny_segments(num_segments, length)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in tiny_settings():
+            loss = tiny_loss_by_position(name, segments, Path(tmp))
+            buckets = loss[: (len(loss) // bucket) * bucket].view(-1, bucket).mean(1)
+            results[name] = {"config_edits": tiny_settings()[name][1],
+                             "loss_by_bucket": [round(float(x), 4) for x in buckets],
+                             "mean_loss_within_trained": round(float(loss[:TINY_TRAINED - 1].mean()), 4),
+                             "mean_loss_beyond_trained": round(float(loss[TINY_TRAINED - 1:].mean()), 4),
+                             "mean_loss_last_128": round(float(loss[-TINY_TRAINED:].mean()), 4)}
+            print(f"{name:13s} loss <{TINY_TRAINED}: {results[name]['mean_loss_within_trained']:.3f}   "
+                  f">={TINY_TRAINED}: {results[name]['mean_loss_beyond_trained']:.3f}", flush=True)
+    training = {k: json.loads((TINY / f"tiny-{k}-bytes" / "training.json").read_text()) for k in ("rope", "alibi")}
+    out = {
+        "what": "next-token loss against position, two tiny byte-level models trained on 128-token windows "
+                "(one RoPE, one ALiBi; same text, steps, batch and seed) read out to 4x (512 bytes)",
+        "command": "python3 benchmarks/train_tiny_positions.py && python3 benchmarks/positions_scaling.py --tiny",
+        "models": {k: {f: v[f] for f in ("architecture", "parameters", "steps", "batch", "train_window",
+                                         "final_train_loss_mean_last_20", "seconds")}
+                   for k, v in training.items()},
+        "weights": "assets/models/tiny-rope-bytes, assets/models/tiny-alibi-bytes (float16 safetensors)",
+        "train_text": "minfer/data/eval_python_docs.txt (Python documentation, PSF License)",
+        "text": "minfer/data/calib_python_docs.txt (other topics of the same documentation, held out), bytes",
+        "segments": num_segments, "segment_length": length, "bucket": bucket, "trained_length": TINY_TRAINED,
+        "factor": FACTOR, "seconds": round(time.perf_counter() - t0, 1),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, a shared CPU (numbers are losses, "
+                   "not timings, so sharing does not change them)",
+        "results": results,
+    }
+    Path(out_path).write_text(json.dumps(out, indent=1) + "\n")
+    print("wrote", out_path)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--segments", type=int, default=4)
@@ -158,7 +249,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--smollm2", action="store_true", help="SmolLM2-135M past its 8,192 positions instead")
     ap.add_argument("--length", type=int, default=10240, help="--smollm2: tokens read (trained: 8,192)")
+    ap.add_argument("--tiny", action="store_true", help="the tiny RoPE and ALiBi models trained here, 128 -> 512")
     args = ap.parse_args(argv)
+    if args.tiny:
+        return tiny_scaling(16 if args.segments == 4 else args.segments, 32 if args.bucket == 64 else args.bucket,
+                            args.out or str(ROOT / "assets" / "benchmarks" / "positions_scaling_tiny.json"))
     if args.smollm2:
         return smollm2_scaling(args.length, 512 if args.bucket == 64 else args.bucket,
                                args.out or str(ROOT / "assets" / "benchmarks" / "positions_scaling_smollm2.json"))

@@ -61,18 +61,23 @@ class BeamSearchRunner:
             (the runner steps the executor itself); cached prefixes are shared with later requests.
         executor: has `compute_logits(ScheduledBatch) -> (rows, float32 [rows, V] logits)`.
         max_model_len: the length limit; eos_token_ids: the ids that end a beam.
+        sliding_window: the scheduler's (`Scheduler.sliding_window`); when set, each beam's blocks behind the
+            window are released after every step, as the scheduler does (per layer group on a hybrid KV cache).
     """
 
-    def __init__(self, block_manager: BlockManager, executor, max_model_len: int, eos_token_ids):
+    def __init__(self, block_manager: BlockManager, executor, max_model_len: int, eos_token_ids,
+                 sliding_window: int | None = None):
         self.bm, self.executor, self.max_model_len = block_manager, executor, max_model_len
         self.eos = set(eos_token_ids)
+        self.sliding_window = sliding_window
 
     def blocks_needed(self, prompt_len: int, params: BeamSearchParams) -> int:
         """An upper bound on the blocks one prompt's search holds at once: the shared prompt, then every beam
         with its own copy of all generated tokens, plus one copy-on-write block per beam."""
         bs = self.bm.block_size
         gen = -(-(min(prompt_len + params.max_tokens, self.max_model_len) - prompt_len + bs) // bs)
-        return self.bm.blocks_needed(prompt_len) + params.beam_width * (gen + 1)
+        # A hybrid KV cache (Gemma 3) holds one table per layer group, each growing alike.
+        return self.bm.num_block_tables * (self.bm.blocks_needed(prompt_len) + params.beam_width * (gen + 1))
 
     def run(self, prompts: list[list[int]], params: BeamSearchParams) -> list[list[tuple]]:
         """Search every prompt; returns per prompt up to beam_width (score, output ids, logprobs, eos?) tuples,
@@ -111,9 +116,7 @@ class BeamSearchRunner:
             for b in s.running:
                 seq = b.seq
                 self.bm.append_slots(seq, 1)
-                cow = self.bm.copy_on_write(seq, seq.num_computed_tokens)
-                if cow is not None:
-                    batch.copy.append(cow)
+                batch.copy.extend(self.bm.copies_before_write(seq, seq.num_computed_tokens))
                 batch.seqs.append(seq), batch.num_new_tokens.append(1)
         self._forward(searches, batch)
 
@@ -125,6 +128,8 @@ class BeamSearchRunner:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             self.bm.register_computed_blocks(seq)
+            if self.sliding_window is not None:
+                self.bm.free_out_of_window(seq, self.sliding_window)
         # Kept for `select`, which reads each search's rows of this step's logits.
         row_of = {batch.seqs[j].seq_id: k for k, j in enumerate(rows)}
         self._logits = (logits, row_of)
@@ -221,15 +226,13 @@ def run_beam_search(engine, prompts: list[list[int]], params: BeamSearchParams, 
     pool at the worst case (no two beams sharing a generated block).
 
     Raises:
-        ValueError: a prompt whose beams could never fit in the KV pool (the message says what to lower), or
-            a block manager that cannot fork (a model with a hybrid KV cache).
+        ValueError: a prompt whose beams could never fit in the KV pool (the message says what to lower).
         RuntimeError: the engine has unfinished requests (the runner steps the executor itself).
     """
     if engine.has_unfinished_requests():
         raise RuntimeError("beam_search needs an idle engine; finish or abort the running requests first")
-    engine.block_manager.check_can_fork()  # before any block is taken: a hybrid KV cache cannot fork yet
     runner = BeamSearchRunner(engine.block_manager, engine.executor, engine.max_model_len,
-                              engine.tokenizer.eos_token_ids)
+                              engine.tokenizer.eos_token_ids, engine.scheduler.sliding_window)
     free = engine.block_manager.num_free_blocks
     groups, need = [[]], 0
     for p in prompts:

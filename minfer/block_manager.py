@@ -29,7 +29,7 @@ from minfer.sequence import Sequence
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None
+    hash: int | tuple | None = None  # its key in `cached` (the hybrid KV cache's: (group, chain hash))
     token_ids: tuple = ()  # the tokens a hashed block holds, to rule out hash collisions
 
 
@@ -237,18 +237,18 @@ class BlockManager:
         return len(tail)
 
     # -- forking (beam search) ------------------------------------------------------------------------
-    def check_can_fork(self) -> None:
-        """Raises ValueError where `fork` is not built (the hybrid KV cache's manager); here it is."""
-
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give `child` the parent's blocks (beam search: a beam's continuations share its KV). Every block
         gains one reference; nothing is copied until a child writes into a shared block
         (`copy_on_write`). `child` must hold no blocks yet."""
         assert not child.block_table, "fork into a sequence that already holds blocks"
-        for bid in parent.block_table:
+        dead = self.window_freed.get(parent.seq_id, 0)  # placeholders released behind a window stay so
+        for bid in parent.block_table[dead:]:
             self.blocks[bid].ref_count += 1
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
+        if dead:
+            self.window_freed[child.seq_id] = dead
 
     def copy_on_write(self, seq: Sequence, position: int) -> tuple[int, int] | None:
         """Make the block that holds token `position` of `seq` its own before the next forward writes there.
@@ -270,6 +270,18 @@ class BlockManager:
         self._release(bid)
         seq.block_table[i] = new
         return bid, new
+
+    def copies_before_write(self, seq: Sequence, position: int) -> list[tuple[int, int]]:
+        """`copy_on_write` as a list of (source, new) copies: empty or one here, one per layer group that
+        shares the block in the hybrid KV cache's manager. Raises NoFreeBlocksError as `copy_on_write`."""
+        cow = self.copy_on_write(seq, position)
+        return [] if cow is None else [cow]
+
+    @property
+    def num_block_tables(self) -> int:
+        """Block tables a sequence holds (1; one per layer group in the hybrid KV cache's manager): growing
+        a sequence by one block takes this many blocks."""
+        return 1
 
     # -- swapping (article §8-1) ----------------------------------------------------------------------
     def can_swap_out(self, seq: Sequence) -> bool:

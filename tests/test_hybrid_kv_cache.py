@@ -8,11 +8,14 @@ their window, global groups keeping everything.
     the block edges; admission counts every group; nothing leaks.
 (c) A random Gemma 3 model (two local layers with a window of 8, one global layer) through the engine: greedy
     tokens on prompts longer than the window equal transformers' and the no-freeing path's, with chunked
-    prefill and with preemption (recompute and swap); the prefix cache is turned off with a log line; the
-    blocks in use grow with the global group only.
-"""
+    prefill and with preemption (recompute and swap); the blocks in use grow with the global group only.
+(d) The prefix cache on the hybrid layout: a hit is the longest prefix every group serves (the local group
+    holds exactly the window's blocks at the hit point), greedy tokens with the cache equal those without
+    (a shared prefix longer than the window, block sizes 1 and 16, with preemption), the hit counter counts
+    the shared blocks; beam search forks every group and equals transformers' beams.
 
-import logging
+    PYTHONPATH=$PWD python -m pytest -q tests/test_hybrid_kv_cache.py
+"""
 
 import pytest
 import torch
@@ -97,13 +100,13 @@ def test_swap_out_and_in_keeps_every_group():
     seq.num_computed_tokens = 20
     bm.free_out_of_window(seq)
     assert bm.num_live_blocks(seq) == 10 + 2  # window 4, next query at 20: tokens 17.. in blocks 8, 9
-    out = bm.swap_out(seq)
-    assert len(out) == 20 and bm.num_free_blocks == 40 and bm.can_swap_in(seq)
+    out = bm.swap_out(seq)  # only the live entries move: placeholders hold no K/V
+    assert len(out) == 12 and bm.num_free_blocks == 40 and bm.can_swap_in(seq)
     back = bm.swap_in(seq)
     assert sorted(c for c, _ in back) == sorted(c for _, c in out)
     assert len(seq.block_table) == len(seq.group_block_tables[0]) == 10
-    bm.free_out_of_window(seq)  # the placeholders that came back are released again
-    assert bm.num_live_blocks(seq) == 12
+    assert seq.group_block_tables[0][:8] == [0] * 8 and bm.num_live_blocks(seq) == 12
+    assert bm.free_out_of_window(seq) == 0  # nothing came back that the window had released
     bm.free_seq(seq)
     assert bm.num_free_blocks == 40 and len(bm.cpu_free) == 40
 
@@ -158,13 +161,127 @@ def test_engine_equals_transformers_and_no_freeing(gemma, reference, name, monke
         assert [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)] == reference
 
 
-def test_prefix_caching_is_off_with_a_log_line(gemma, caplog):
+def _filled(bm, seq, n_tokens):
+    """Compute `n_tokens` of `seq` the way the scheduler does: chunk by chunk, naming, then freeing."""
+    while seq.num_computed_tokens < n_tokens:
+        n = min(5, n_tokens - seq.num_computed_tokens)
+        bm.append_slots(seq, n)
+        seq.num_computed_tokens += n
+        bm.register_computed_blocks(seq)
+        bm.free_out_of_window(seq)
+
+
+@pytest.mark.parametrize("bs", [1, 4, 16])
+@pytest.mark.parametrize("window", [1, 7, 8, 17])
+def test_a_prefix_hit_holds_exactly_the_blocks_its_window_reads(bs, window):
+    """A second sequence sharing 48 tokens hits the longest prefix every group serves; the local group gets
+    the window's blocks at the hit point (the mask decides which) and placeholders before them; evicting a
+    block inside that window shortens the hit to one that needs no evicted block; nothing leaks."""
+    layout = KVCacheLayout((KVCacheGroup((1,), None), KVCacheGroup((0,), window)), 1, 2)
+    bm = HybridBlockManager(400, bs, layout, enable_prefix_caching=True)
+    shared = list(range(3, 51))
+    a = Sequence("a", 0, shared + [60, 61, 62], SP(max_tokens=1), 4096)
+    bm.allocate_prefix(a, bm.cached_prefix(a))
+    _filled(bm, a, len(a))
+    bm.free_seq(a)
+    assert bm.num_free_blocks == 400  # all released, the named ones still hittable
+    b = Sequence("b", 1, shared + [70, 71], SP(max_tokens=1), 4096)
+    hits = bm.cached_prefix(b)
+    k = len(hits)
+    assert k == 48 // bs  # the whole shared prefix, in full blocks (b's 49th token differs from a's)
+    want = needed_blocks(k * bs, window, k, bs) & set(range(k))
+    assert {i for i, row in enumerate(hits) if row[1] != 0} == want  # local group: the window's blocks only
+    chain = [h for h, _ in bm._prompt_hashes(b)[:k]]
+    assert [bm.blocks[row[0]].hash for row in hits] == [(0, h) for h in chain]  # full group: every block
+    assert all(bm.blocks[hits[i][1]].hash == (1, chain[i]) for i in want)
+    assert bm.can_allocate(b, len(b) - k * bs, hits)
+    assert bm.allocate_prefix(b, hits) == k * bs
+    assert bm.num_live_blocks(b) == k + len(want)
+    _filled(bm, b, len(b))
+    bm.free_seq(b)
+    assert bm.num_free_blocks == 400 and not bm.group_freed
+    # Evict the local group's first block inside that window: the hit must end before it ... and still be
+    # one whose own window's blocks are all cached.
+    if not want:
+        return  # window 1: a query sees only itself, the local group needs no cached block at all
+    first = min(want)
+    victim = hits[first][1]
+    del bm.cached[bm.blocks[victim].hash]
+    bm.blocks[victim].hash, bm.blocks[victim].token_ids = None, ()
+    c = Sequence("c", 2, shared + [80], SP(max_tokens=1), 4096)
+    short = bm.cached_prefix(c)
+    assert len(short) == first  # any longer hit's window reads the evicted block; this one's is all cached
+    live = needed_blocks(len(short) * bs, window, len(short), bs) & set(range(len(short)))
+    assert {i for i, row in enumerate(short) if row[1] != 0} == live
+    assert all(bm.blocks[row[1]].hash == (1, bm.blocks[row[0]].hash[1]) for row in short if row[1] != 0)
+
+
+def test_prompt_logprobs_and_turned_off_cache_hit_nothing():
+    layout = KVCacheLayout((KVCacheGroup((1,), None), KVCacheGroup((0,), 4)), 1, 2)
+    for on in (True, False):
+        bm = HybridBlockManager(100, 2, layout, enable_prefix_caching=on)
+        a = Sequence("a", 0, list(range(3, 23)), SP(max_tokens=1), 4096)
+        bm.allocate_prefix(a)
+        _filled(bm, a, 20)
+        bm.free_seq(a)
+        again = Sequence("b", 1, list(range(3, 23)), SP(max_tokens=1), 4096)
+        logprobs = Sequence("c", 2, list(range(3, 23)), SP(max_tokens=1, prompt_logprobs=1), 4096)
+        assert len(bm.cached_prefix(again)) == (9 if on else 0)  # never the last token
+        assert bm.cached_prefix(logprobs) == []
+
+
+SHARED = prompt(90, 40)  # longer than the window (8) at every block size below
+FAMILY = [SHARED + prompt(91 + i, n) for i, n in enumerate((3, 9, 17))]
+
+
+@pytest.fixture(scope="module")
+def family_reference(gemma):
+    _, hf = gemma
+    return [hf_greedy(hf, p, N_NEW) for p in FAMILY]
+
+
+def _common(a, b):
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+@pytest.mark.parametrize("bs", [1, 16])
+def test_prefix_caching_gives_the_tokens_of_no_caching(gemma, family_reference, bs):
+    """Prompts sharing a 40-token prefix (window 8): the first request's blocks are hit by the later ones,
+    the greedy tokens equal transformers' (and so the uncached engine's, checked above), the hit counter
+    counts exactly the shared full blocks, and every block comes back."""
     path, _ = gemma
-    with caplog.at_level(logging.WARNING, logger="minfer.kv_cache_groups"):
-        llm = LLM(model=str(path), max_model_len=96, kv_cache_memory_bytes=1 << 20, block_size=4,
-                  enable_prefix_caching=True, attention_backend="torch", device="cpu")
-    assert "prefix caching is off" in caplog.text
-    assert not llm.llm_engine.block_manager.enable_prefix_caching
+    llm = LLM(model=str(path), max_model_len=96, attention_backend="torch", device="cpu", block_size=bs,
+              kv_cache_memory_bytes=1 << 20, enable_prefix_caching=True)
+    eng = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True)
+    first = llm.generate(FAMILY[:1], params)
+    rest = llm.generate(FAMILY[1:], params)  # after the first finished: its prefix is cached
+    assert [o.outputs[0].token_ids for o in first + rest] == family_reference
+    st = eng.stats()
+    hit = sum(_common(FAMILY[0], p) // bs * bs for p in FAMILY[1:])  # the other two share this much
+    assert st.prefix_cache_hits == hit > 0
+    assert st.prefix_cache_queries == sum(len(p) for p in FAMILY)
+    assert st.prefix_cache_hit_rate == pytest.approx(hit / st.prefix_cache_queries)
+    assert [o.num_cached_tokens for o in rest] == [_common(FAMILY[0], p) // bs * bs for p in FAMILY[1:]]
+    assert eng.all_blocks_free() and not eng.block_manager.group_freed
+    again = llm.generate(FAMILY, params)  # everything cached now, prompts all at once
+    assert [o.outputs[0].token_ids for o in again] == family_reference
+    assert eng.all_blocks_free() and not eng.block_manager.group_freed
+
+
+@pytest.mark.parametrize("name", ["recompute", "swap"])
+def test_prefix_caching_with_preemption_gives_the_same_tokens(gemma, reference, name):
+    """The tight pools of the preemption configs, with the prefix cache on: a preempted sequence comes back
+    through the cache (recompute) or from swap space, and the tokens do not change."""
+    path, _ = gemma
+    llm = LLM(model=str(path), attention_backend="torch", device="cpu", enable_prefix_caching=True,
+              **{"max_model_len": 96, **CONFIGS[name]})
+    eng = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == reference
+    assert eng.scheduler.num_preemptions > 0 and eng.all_blocks_free() and not eng.block_manager.group_freed
+    if name == "recompute":
+        assert eng.stats().prefix_cache_hits > 0  # the recomputed sequences found their own blocks
 
 
 @pytest.mark.parametrize("bs", [1, 16])
@@ -184,17 +301,55 @@ def test_blocks_in_use_grow_with_the_global_group_only(gemma, bs):
     assert full < max(used[:-1]) <= full + 2 * local < 3 * full
 
 
-def test_beam_search_is_a_clear_error(gemma):
+@pytest.mark.parametrize("bs,caching", [(1, False), (4, False), (4, True)])
+def test_beam_search_equals_transformers(gemma, bs, caching, monkeypatch):
+    """Beam search on the hybrid KV cache: every group's table forks, a shared partial block is copied in
+    every group before a beam writes it, blocks behind the window are released while the beams run; beams
+    and scores equal transformers' on a prompt past the window, with the prefix cache on too (run twice: the
+    second run hits), and every block comes back."""
     from minfer import BeamSearchParams
 
-    path, _ = gemma
-    llm = LLM(model=str(path), max_model_len=96, kv_cache_memory_bytes=1 << 20, block_size=4,
-              attention_backend="torch", device="cpu")
-    with pytest.raises(ValueError, match="beam search is not built"):
-        llm.beam_search([{"prompt_token_ids": prompt(3, 12)}], BeamSearchParams(beam_width=2, max_tokens=4))
-    assert llm.llm_engine.all_blocks_free()  # refused before any block was taken
-    out = llm.generate([prompt(3, 12)], SamplingParams(temperature=0, max_tokens=4))  # the engine still serves
-    assert len(out[0].outputs[0].token_ids) == 4 and llm.llm_engine.all_blocks_free()
+    released = []
+    free = HybridBlockManager.free_out_of_window
+    monkeypatch.setattr(HybridBlockManager, "free_out_of_window",
+                        lambda self, seq, window=None: released.append(free(self, seq, window)) or released[-1])
+    path, hf = gemma
+    llm = LLM(model=str(path), max_model_len=96, kv_cache_memory_bytes=1 << 20, block_size=bs,
+              attention_backend="torch", device="cpu", enable_prefix_caching=caching)
+    ids, width, n = prompt(3, 14), 3, 8
+    ref = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), num_beams=width,
+                      num_return_sequences=width, max_new_tokens=n, do_sample=False, early_stopping=False,
+                      eos_token_id=2, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    for _ in range(2 if caching else 1):
+        out = llm.beam_search([{"prompt_token_ids": ids}], BeamSearchParams(beam_width=width, max_tokens=n))[0]
+        for k, beam in enumerate(out.sequences):
+            hf_ids = ref.sequences[k, len(ids):].tolist()[:len(beam.output_token_ids)]
+            assert beam.output_token_ids == hf_ids, k
+            assert beam.score == pytest.approx(float(ref.sequences_scores[k]), abs=1e-3)
+        assert llm.llm_engine.all_blocks_free() and not llm.llm_engine.block_manager.group_freed
+    assert sum(released) > 0  # the local group's blocks behind the window went back during the search
+    if caching:
+        assert llm.llm_engine.stats().prefix_cache_hits > 0
+
+
+def test_fork_and_copy_before_write_in_every_group():
+    layout = KVCacheLayout((KVCacheGroup((1,), None), KVCacheGroup((0,), 4)), 1, 2)
+    bm = HybridBlockManager(60, 4, layout)
+    parent = Sequence("r", 0, list(range(3, 21)), SP(max_tokens=4), 4096)
+    bm.allocate_prefix(parent)
+    _filled(bm, parent, 18)  # 5 entries a group; the local group's first 3 released (next query at 18)
+    assert bm._freed(parent) == [0, 3]
+    child = Sequence("r", 1, parent.prompt_token_ids, SP(max_tokens=4), 4096)
+    bm.fork(parent, child)
+    child.num_computed_tokens = 18
+    assert bm.tables(child) == bm.tables(parent) and bm._freed(child) == [0, 3]
+    assert all(bm.blocks[b].ref_count == 2 for t, d in zip(bm.tables(child), [0, 3]) for b in t[d:])
+    copies = bm.copies_before_write(child, 18)  # block 4 of both groups is shared and partial
+    assert [src for src, _ in copies] == [parent.block_table[4], parent.group_block_tables[0][4]]
+    assert bm.copies_before_write(child, 19) == []  # now its own
+    bm.free_seq(parent)
+    bm.free_seq(child)
+    assert bm.num_free_blocks == 60 and not bm.group_freed
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])

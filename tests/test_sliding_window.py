@@ -124,3 +124,29 @@ def test_blocks_in_use_stop_growing_at_the_window(windowed, bs):
     # Window 7: the live tokens are at most the 7 keys of the next query, spread over at most
     # ceil(7 / bs) + 1 blocks; without freeing the sequence would hold ceil(80 / bs).
     assert max(used[:-1]) <= -(-7 // bs) + 1 < -(-80 // bs)
+
+
+@pytest.mark.parametrize("bs", [1, 4])
+def test_beam_search_frees_behind_the_window_and_equals_transformers(tmp_path, bs, monkeypatch):
+    """Beam search on a model whose every layer has a window (Mistral-style, 7): each beam's blocks behind
+    the window are released while the search runs, a fork keeps the placeholders as placeholders, and the
+    beams and scores equal transformers'; every block comes back."""
+    from minfer import BeamSearchParams
+
+    hf = make_model(tmp_path, "mistral-window")
+    released = []
+    free = BlockManager.free_out_of_window
+    monkeypatch.setattr(BlockManager, "free_out_of_window",
+                        lambda self, seq, window: released.append(free(self, seq, window)) or released[-1])
+    llm = LLM(model=str(tmp_path), max_model_len=96, kv_cache_memory_bytes=1 << 20, block_size=bs,
+              attention_backend="torch", device="cpu")
+    ids, width, n = prompt(5, 13), 3, 8
+    ref = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), num_beams=width,
+                      num_return_sequences=width, max_new_tokens=n, do_sample=False, early_stopping=False,
+                      eos_token_id=2, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    out = llm.beam_search([{"prompt_token_ids": ids}], BeamSearchParams(beam_width=width, max_tokens=n))[0]
+    for k, beam in enumerate(out.sequences):
+        assert beam.output_token_ids == ref.sequences[k, len(ids):].tolist()[:len(beam.output_token_ids)], k
+        assert beam.score == pytest.approx(float(ref.sequences_scores[k]), abs=1e-3)
+    assert sum(released) > 0
+    assert llm.llm_engine.all_blocks_free() and not llm.llm_engine.block_manager.window_freed
