@@ -357,9 +357,6 @@ class EngineArgs:
                              "yet; with tensor or pipeline parallelism use int8 or int4 (or no quantization)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise bad("kv_cache_dtype", "one of " + ", ".join(map(repr, KV_CACHE_DTYPES)))
-        if self.attention_backend == "triton" and self.kv_cache_dtype in QUANTIZED_KV_CACHE_DTYPES:
-            raise ValueError(f"attention_backend='triton' reads an unquantized KV pool only; kv_cache_dtype="
-                             f"{self.kv_cache_dtype!r} runs with attention_backend='torch', 'cpu' or 'auto'")
         if (self.attention_backend == "cpu" and self.kv_cache_dtype in ("bfloat16", "float16")):
             raise ValueError(f"attention_backend='cpu' reads a float32, int8 or fp8 KV pool; got kv_cache_dtype="
                              f"{self.kv_cache_dtype!r} (use attention_backend='auto' or 'torch' for it)")
