@@ -18,6 +18,7 @@ from minfer.attention.triton import TritonBackend
 from minfer.kernels import flash_attn_varlen, interpreter_active
 from minfer.kernels.paged_decode import paged_attention_decode
 from minfer.kernels.reference import flash_attn_varlen_reference, paged_attention_decode_reference
+from tests.conftest import needs_default_model
 from tests.test_triton_backend import CASES, make_batch
 
 DEVICES = (["cpu"] if interpreter_active() else []) + (["cuda"] if torch.cuda.is_available() else [])
@@ -118,3 +119,22 @@ def test_triton_refuses_a_cast_pool_but_takes_a_quantized_one():
     cast = KVCachePool(cfg, 2, 4, torch.float32, torch.device("cpu"), kv_cache_dtype="bfloat16")
     with pytest.raises(ValueError, match="triton"):
         get_attn_backend("triton", cast.layers, cast.scales, cast.spec, torch.float32)
+
+
+@needs_default_model
+@pytest.mark.slow
+def test_real_model_engine_on_triton_with_int8_kv_equals_simple_path():
+    """SmolLM2-135M, attention_backend="triton", kv_cache_dtype="int8": the engine's greedy tokens (flash prefill
+    and paged decode over the quantized pool) equal the simple path's (contiguous cache quantized the same way).
+    Under the interpreter every launch is slow: 2 short prompts, 3 tokens, as tests/test_triton_backend.py."""
+    from minfer import LLM, SamplingParams
+
+    llm = LLM(attention_backend="triton", kv_cache_dtype="int8", max_model_len=256, seed=0,
+              kv_cache_memory_bytes=16 * 16 * 30 * 3 * 68 * 2)  # 16 blocks of 16 tokens with int8 codes + scales
+    assert isinstance(llm.llm_engine.worker.backend, TritonBackend) and llm.llm_engine.worker.pool.scales is not None
+    prompts = ["The capital of France is", "1, 2, 3, 4,"]
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    want = [llm.generate_simple(p, sp)[0].outputs[0].token_ids for p in prompts]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    assert got == want
+    assert llm.llm_engine.all_blocks_free()
