@@ -248,7 +248,7 @@ class EngineArgs:
         kv_cache_dtype: how the paged pool stores K/V (vLLM's names): "auto" (the model's dtype), "float32",
             "bfloat16", "float16", or quantized on store with a float32 scale per token and K/V head: "int8",
             "fp8" (= "fp8_e4m3") or "fp8_e5m2" (chapter 5, `minfer.attention.kv_quant`). The Triton backend
-            reads only an unquantized pool.
+            reads the model's dtype or the quantized ones, not a cast pool (a clear error at start-up).
         data_parallel_size: whole-model replicas (engine processes) behind the server's router
             (`minfer.serve.router`, chapter 12b), an integer >= 1; one `LLMEngine` is one replica and
             refuses > 1, so it is only the server that runs N (`python -m minfer.serve --data-parallel-size N`).
