@@ -248,7 +248,7 @@ class EngineArgs:
         kv_cache_dtype: how the paged pool stores K/V (vLLM's names): "auto" (the model's dtype), "float32",
             "bfloat16", "float16", or quantized on store with a float32 scale per token and K/V head: "int8",
             "fp8" (= "fp8_e4m3") or "fp8_e5m2" (chapter 5, `minfer.attention.kv_quant`). The Triton backend
-            reads only an unquantized pool.
+            reads the model's dtype or the quantized ones, not a cast pool (a clear error at start-up).
         data_parallel_size: whole-model replicas (engine processes) behind the server's router
             (`minfer.serve.router`, chapter 12b), an integer >= 1; one `LLMEngine` is one replica and
             refuses > 1, so it is only the server that runs N (`python -m minfer.serve --data-parallel-size N`).
@@ -357,9 +357,6 @@ class EngineArgs:
                              "yet; with tensor or pipeline parallelism use int8 or int4 (or no quantization)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise bad("kv_cache_dtype", "one of " + ", ".join(map(repr, KV_CACHE_DTYPES)))
-        if self.attention_backend == "triton" and self.kv_cache_dtype in QUANTIZED_KV_CACHE_DTYPES:
-            raise ValueError(f"attention_backend='triton' reads an unquantized KV pool only; kv_cache_dtype="
-                             f"{self.kv_cache_dtype!r} runs with attention_backend='torch', 'cpu' or 'auto'")
         if (self.attention_backend == "cpu" and self.kv_cache_dtype in ("bfloat16", "float16")):
             raise ValueError(f"attention_backend='cpu' reads a float32, int8 or fp8 KV pool; got kv_cache_dtype="
                              f"{self.kv_cache_dtype!r} (use attention_backend='auto' or 'torch' for it)")

@@ -107,7 +107,8 @@ class Worker:
         """Allocate the pool (and swap space), and choose the attention backend and the sampler for it.
 
         Raises:
-            ValueError: attention_backend="cpu" where its kernel cannot run, or "triton" over a quantized pool.
+            ValueError: attention_backend="cpu" where its kernel cannot run, or "triton" over a cast pool
+                (16-bit K/V under a float32 model).
         """
         # A model mixing sliding-window and full layers gets a hybrid KV cache: one block table per layer group
         # over `group_size` shared tensors (minfer/kv_cache_groups.py); others one tensor per layer. `kv_config`

@@ -91,3 +91,23 @@ def test_timeline_records_chunks(llm):
 def test_cli_rejects_unknown_part(capsys):
     with pytest.raises(SystemExit):
         B.main(["--only", "nope"])
+
+
+def test_step_rows_says_which_route_ran():
+    steps = [dict(batch=[("a", 40, True), ("b", 1, False)]), dict(batch=[("a", 1, False), ("b", 1, False)]),
+             dict(batch=[])]
+    r = B.step_rows(steps, kernel_max_rows=4)
+    assert r["steps"] == 2 and r["kernel_route_steps"] == 1 and r["decode_only_steps"] == 1
+    assert r["max_rows"] == 41 and r["median_decode_rows"] == 2 and r["kernel_route_fraction"] == 0.5
+
+
+@pytest.mark.slow
+def test_quant_throughput_runs_beside_float32(llm):
+    res = B.run_quant_throughput(("int8",), settings=TINY, progress=False, llms={"float32": llm})
+    runs = res["runs"]
+    assert set(runs) == {"float32", "int8"} and "vs_float32" not in runs["float32"]
+    assert runs["int8"]["output_tokens"] == runs["float32"]["output_tokens"] > 0
+    assert runs["int8"]["vs_float32"] == runs["int8"]["output_tok_s"] / runs["float32"]["output_tok_s"]
+    assert runs["int8"]["step_rows"]["steps"] > 0
+    text = B.format_quant_report(dict(env=B.environment(), quant_throughput=res))
+    assert "int8 / float32" in text

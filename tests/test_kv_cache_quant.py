@@ -154,20 +154,11 @@ def test_swap_and_copy_move_codes_and_scales():
 
 @pytest.mark.parametrize("kwargs, needle", [
     (dict(kv_cache_dtype="int4"), "kv_cache_dtype must be one of"),
-    (dict(kv_cache_dtype="fp8", attention_backend="triton"), "triton"),
     (dict(kv_cache_dtype="float16", attention_backend="cpu"), "cpu"),
 ])
 def test_bad_kv_cache_dtype_is_a_clear_error(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         EngineArgs(**kwargs)
-
-
-def test_triton_backend_refuses_a_quantized_pool():
-    from minfer.attention import get_attn_backend
-
-    pool = KVCachePool(CFG, 2, 4, torch.float32, torch.device("cpu"), kv_cache_dtype="int8")
-    with pytest.raises(ValueError, match="triton"):
-        get_attn_backend("triton", pool.layers, pool.scales, pool.spec, torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -6,8 +6,9 @@
     "auto"    "cpu" for a float32 model on a CPU whose pool is float32, int8 or fp8, when its kernel builds
               (else "torch", with one warning); "torch" everywhere else
 
-A quantized pool (`kv_cache_dtype` int8 / fp8, `minfer.attention.kv_quant`) is read by "torch" and "cpu";
-"triton" refuses it with a clear error.
+A quantized pool (`kv_cache_dtype` int8 / fp8, `minfer.attention.kv_quant`) is read by every backend ("triton"
+dequantizes inside its kernels); a cast pool (`kv_cache_dtype="bfloat16"` under a float32 model) by "torch"
+only among the GPU-capable ones: "triton" refuses it with a clear error.
 """
 
 from __future__ import annotations
@@ -49,20 +50,20 @@ def get_attn_backend(name: str, kv_caches: list[torch.Tensor], kv_scales: list[t
     pool's dtype).
 
     Raises:
-        ValueError: "cpu" where the C++ kernel cannot run (says why), "triton" over a quantized pool, or an
-            unknown name.
+        ValueError: "cpu" where the C++ kernel cannot run (says why), "triton" over a cast pool (16-bit K/V
+            under a float32 model), or an unknown name.
     """
     name_in = name
     pool = kv_caches[0]
     name = resolve_backend_name(name, pool.device, model_dtype or pool.dtype, pool.dtype)
     if name == "triton":
-        if kv_scales is not None or (model_dtype is not None and model_dtype != pool.dtype):
-            raise ValueError(f"attention_backend='triton' reads a KV pool of the model's dtype only, not "
-                             f"{pool.dtype}{' codes with scales' if kv_scales is not None else ''}: use "
-                             "kv_cache_dtype='auto', or attention_backend='torch'")
+        if kv_scales is None and model_dtype is not None and model_dtype != pool.dtype:
+            raise ValueError(f"attention_backend='triton' reads a KV pool of the model's dtype or int8/fp8 codes, "
+                             f"not a {pool.dtype} pool under a {model_dtype} model: use kv_cache_dtype='auto', "
+                             "'int8' or 'fp8', or attention_backend='torch'")
         from minfer.attention.triton import TritonBackend
 
-        return TritonBackend(kv_caches)
+        return TritonBackend(kv_caches, kv_scales, spec)
     if name == "cpu":
         from minfer.attention.cpu import CpuKernelUnavailable, CpuPagedBackend
 

@@ -6,6 +6,12 @@
     flash_attn_varlen        the prefill sequences (whole prompts, or chunks / prompts with a cached prefix)
     paged_attention_decode   one query per decoding sequence, read through its block table
 
+A quantized pool (`kv_cache_dtype` int8 / fp8_e4m3 / fp8_e5m2, `minfer.attention.kv_quant`): `store_kv`
+quantizes per token and head as the torch reference does (`PagedTorchBackend.store_quantized`: codes and
+float32 scales into the pool), and both attention kernels read the codes and scales and dequantize on load.
+Every prefill then reads its keys from the pool, a fresh prompt's too, so that it attends to the values the
+pool holds (the reference's rule: a prompt computed whole, in chunks or on a cached prefix sees the same keys).
+
 The fused element-wise kernels (RMSNorm, SiLU-and-mul, RoPE) are chosen when the model is built
 (`minfer.model.layers.BuildOptions(fused_ops=True)`), and the fused sampler is
 `minfer.kernels.sampler.TritonSampler`.
@@ -16,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from minfer.attention.base import Attention, AttentionBackend, ForwardContext
+from minfer.attention.kv_quant import KVCacheSpec, raw
 from minfer.kernels import flash_attn_varlen, paged_attention_decode, store_kvcache
 
 
@@ -34,11 +41,12 @@ class _PrefillPlan:
     cu_seqlens_k order, so a layer gathers them with one index op per cache.
     """
 
-    def __init__(self, ctx: ForwardContext, block_size: int):
+    def __init__(self, ctx: ForwardContext, block_size: int, from_pool: bool = False):
         p, n_pt = ctx.num_prefills, ctx.num_prefill_tokens
         # One sequence: host-side already. Several: one small device->host read per forward (not per layer).
         self.total_k = int(ctx.max_seqlen_k if p == 1 else ctx.cu_seqlens_k[p])
-        self.has_prefix = self.total_k != n_pt
+        # from_pool (a quantized pool): every prefill reads its keys as stored, so the gather is always built.
+        self.has_prefix = self.total_k != n_pt or from_pool
         self.key_slots = None
         if self.has_prefix:
             dev = ctx.context_lens.device
@@ -50,7 +58,8 @@ class _PrefillPlan:
 
 
 class TritonBackend(AttentionBackend):
-    """Paged attention with the Triton kernels. `kv_caches[layer]` is `[2, num_blocks, block_size, KVH, D]`.
+    """Paged attention with the Triton kernels. `kv_caches[layer]` is `[2, num_blocks, block_size, KVH, D]`;
+    a quantized pool comes with `kv_scales[layer]` float32 `[2, num_blocks, block_size, KVH]` and its `spec`.
 
     Per layer: one `store_kvcache` launch, one `flash_attn_varlen` launch over all prefill sequences,
     one `paged_attention_decode` over all decoding sequences. Prefill sequences without a cached prefix
@@ -60,8 +69,12 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
 
-    def __init__(self, kv_caches: list[torch.Tensor]):
-        super().__init__(kv_caches)
+    def __init__(self, kv_caches: list[torch.Tensor], kv_scales: list[torch.Tensor] | None = None,
+                 spec: KVCacheSpec | None = None):
+        super().__init__(kv_caches, kv_scales)
+        if (spec is not None and spec.quantized) != (kv_scales is not None):
+            raise ValueError("a quantized KV pool needs both its KVCacheSpec and its kv_scales (and a float one neither)")
+        self.spec = spec
         self._slopes: dict[int, torch.Tensor] = {}
 
     def _alibi(self, layer: Attention, device) -> torch.Tensor | None:
@@ -77,15 +90,27 @@ class TritonBackend(AttentionBackend):
         return s
 
     def prepare(self, ctx: ForwardContext) -> "_PrefillPlan | None":
-        return _PrefillPlan(ctx, self.kv_caches[0].shape[2]) if ctx.num_prefills else None
+        if not ctx.num_prefills:
+            return None
+        return _PrefillPlan(ctx, self.kv_caches[0].shape[2], from_pool=self.kv_scales is not None)
 
     def store_kv(self, layer: Attention, k, v, ctx: ForwardContext) -> None:
         kv = self.kv_caches[layer.layer_idx]
+        if self.kv_scales is not None:
+            # Quantize with the reference's own code: the pool's bytes are then identical whichever backend
+            # wrote them (swap, prefix caching and a switch of backend see the same codes).
+            from minfer.attention.torch_ref import PagedTorchBackend
+
+            PagedTorchBackend.store_quantized(kv, self.kv_scales[layer.layer_idx], k, v, ctx.slot_mapping, self.spec)
+            return
         store_kvcache(k, v, kv[0], kv[1], ctx.slot_mapping)
 
     def attend(self, layer: Attention, q, k, v, ctx: ForwardContext) -> torch.Tensor:
         kv = self.kv_caches[layer.layer_idx]
         k_cache, v_cache = kv[0], kv[1]
+        k_scale = v_scale = None
+        if self.kv_scales is not None:
+            k_scale, v_scale = self.kv_scales[layer.layer_idx]
         num_tokens, n_pt, p = q.shape[0], ctx.num_prefill_tokens, ctx.num_prefills
         window, slopes = window_size(layer), self._alibi(layer, q.device)
         if p == 0 or n_pt == num_tokens:
@@ -94,21 +119,26 @@ class TritonBackend(AttentionBackend):
             out = torch.empty_like(q)
         if p:
             plan = ctx.attn_metadata
+            ks = vs = None
             if plan.has_prefix:
-                keys = k_cache.flatten(0, 1)[plan.key_slots]
-                vals = v_cache.flatten(0, 1)[plan.key_slots]
+                # Gathered as bytes (torch's CPU indexing does not take float8), viewed back as the codes.
+                keys = raw(k_cache).flatten(0, 1)[plan.key_slots].view(k_cache.dtype)
+                vals = raw(v_cache).flatten(0, 1)[plan.key_slots].view(v_cache.dtype)
+                if k_scale is not None:
+                    ks, vs = k_scale.flatten(0, 1)[plan.key_slots], v_scale.flatten(0, 1)[plan.key_slots]
                 cu_k = ctx.cu_seqlens_k
             else:
                 keys, vals, cu_k = k[:n_pt], v[:n_pt], ctx.cu_seqlens_q
             o = flash_attn_varlen(q[:n_pt], keys, vals, ctx.cu_seqlens_q, cu_k, ctx.max_seqlen_q,
                                   ctx.max_seqlen_k, softmax_scale=layer.scale, causal=True, window_size=window,
-                                  alibi_slopes=slopes)
+                                  alibi_slopes=slopes, k_scale=ks, v_scale=vs)
             if out is None:
                 return o
             out[:n_pt] = o
         if n_pt < num_tokens:
             o = paged_attention_decode(q[n_pt:], k_cache, v_cache, ctx.block_tables[p:], ctx.context_lens[p:],
-                                       softmax_scale=layer.scale, window_size=window, alibi_slopes=slopes)
+                                       softmax_scale=layer.scale, window_size=window, alibi_slopes=slopes,
+                                       k_scale=k_scale, v_scale=v_scale)
             if out is None:
                 return o
             out[n_pt:] = o

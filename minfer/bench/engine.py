@@ -1,6 +1,7 @@
 """`python -m minfer.bench engine`: what continuous batching buys, measured on the real model (chapter 6).
 
     python -m minfer.bench engine [--quick] [--json PATH] [--only throughput,prefix,itl,sched]
+    python -m minfer.bench engine --quantization int8,int4,gguf [--quick] [--num-requests N] [--json PATH]
 
 Four parts, each compared with a baseline measured in the same run (ratios, never timed assertions):
 
@@ -14,6 +15,11 @@ Four parts, each compared with a baseline measured in the same run (ratios, neve
 3. itl - p99 inter-token latency of running decodes while a long prompt arrives, chunked prefill on vs off.
 4. sched - the scheduler's own time (schedule() + building the flat batch, block tables, slot mapping) as a
    fraction of an engine step with many running decodes.
+
+With `--quantization` the benchmark is instead part 1's engine run with weight-quantized models beside the
+float32 one, the same workload in the same process (chapter 5): output tokens/s per method, its ratio to
+float32, and how many tokens each engine step carried (which says which matmul route ran: the packed kernel
+for steps of at most `KERNEL_MAX_ROWS` tokens, dequantize-then-sgemm above; `run_quant_throughput`).
 
 Every `run_*` function is importable (the chapter 6 notebook calls them with small settings) and returns a
 plain dict; `main` prints a table and can write it all as JSON.
@@ -37,6 +43,9 @@ from tqdm.auto import tqdm
 from minfer.sampling_params import SamplingParams
 
 DEFAULT_JSON = "assets/benchmarks/engine_cpu.json"
+QUANT_JSON = "assets/benchmarks/engine_quant_cpu.json"
+QUANT_METHODS = ("int8", "int4", "gguf")
+QUANT_TARGET = 1.5  # output tokens/s, quantized engine / float32 engine (issue 11)
 PARTS = ("throughput", "prefix", "itl", "sched")
 MIB = 1 << 20
 
@@ -450,6 +459,85 @@ def run_sched(llm=None, settings: Settings | None = None, progress: bool = True)
     return res
 
 
+# -- quantized weights: the engine's throughput per method (chapter 5) ------------------------------------
+def step_rows(steps: list[dict], kernel_max_rows: int) -> dict:
+    """Summary of the tokens per engine step (= the rows of every Linear's matmul in that step): the
+    quantized methods take their packed kernel at <= `kernel_max_rows` rows, dequantize + sgemm above."""
+    rows = [sum(n for _, n, _ in st["batch"]) for st in steps if st["batch"]]
+    if not rows:
+        return dict(steps=0)
+    dec = [sum(n for _, n, _ in st["batch"]) for st in steps if st["batch"] and not any(p for *_, p in st["batch"])]
+    small = sum(1 for r in rows if r <= kernel_max_rows)
+    return dict(steps=len(rows), mean_rows=sum(rows) / len(rows), median_rows=statistics.median(rows),
+                max_rows=max(rows), decode_only_steps=len(dec),
+                median_decode_rows=statistics.median(dec) if dec else 0,
+                kernel_route_steps=small, kernel_route_fraction=small / len(rows), kernel_max_rows=kernel_max_rows)
+
+
+def run_quant_throughput(methods: tuple[str, ...] = QUANT_METHODS, settings: Settings | None = None,
+                         progress: bool = True, quantization_config: dict | None = None, llms: dict | None = None) -> dict:
+    """Part 1's engine run (all requests queued at once, greedy, ignore_eos) for float32 and each weight
+    quantization in `methods`, one model after the other in this process, on the same workload. Returns
+    per method the `run_engine_batch` rates, `step_rows` and `vs_float32` (output tok/s ratio).
+
+    `llms` maps a name ("float32" or a method) to a ready `LLM` (the test passes small ones); the others are
+    built on the default model with a pool that holds every request (no preemption)."""
+    from minfer.quantization.base import KERNEL_MAX_ROWS
+
+    s = settings or Settings.full()
+    need = s.num_requests * (s.prompt_len[1] + s.output_len[1])
+    res = dict(settings=dict(num_requests=s.num_requests, prompt_len=list(s.prompt_len), output_len=list(s.output_len),
+                             seed=s.seed, methods=list(methods), quantization_config=quantization_config or {}),
+               target_vs_float32=QUANT_TARGET, runs={})
+    prompts = outs = None
+    for name in ("float32", *methods):
+        llm = (llms or {}).get(name)
+        if llm is None:
+            kw = {} if name == "float32" else dict(quantization=name)
+            if name == "int4" and quantization_config:  # the only method with settings (group_size)
+                kw["quantization_config"] = quantization_config
+            llm = make_llm(max_model_len=s.prompt_len[1] + s.output_len[1] + 16,
+                           kv_cache_memory_bytes=kv_bytes_for(_cfg(), need), **kw)
+        if prompts is None:
+            prompts, outs = make_workload(s.num_requests, s.prompt_len, s.output_len,
+                                          llm.llm_engine.model_config.vocab_size, s.seed)
+        _warmup(llm)
+        before = llm.stats()
+        r = run_engine_batch(llm, prompts, outs, progress, record_steps=True)
+        after = llm.stats()
+        r["step_rows"] = step_rows(r.pop("steps"), KERNEL_MAX_ROWS)
+        r.update(engine_steps=after.num_steps - before.num_steps,
+                 preemptions=after.num_preemptions - before.num_preemptions)
+        res["runs"][name] = r
+        del llm
+    base = res["runs"]["float32"]["output_tok_s"]
+    for name in methods:
+        res["runs"][name]["vs_float32"] = res["runs"][name]["output_tok_s"] / base
+    return res
+
+
+def format_quant_report(res: dict) -> str:
+    env, r = res.get("env", {}), res["quant_throughput"]
+    st = r["settings"]
+    lines = [f"minfer engine throughput with quantized weights - {env.get('model')} on {env.get('device')}, "
+             f"torch {env.get('torch')}, {env.get('threads')} threads, {env.get('cpus')} CPUs (shared machine: "
+             "absolute figures are noisy; the ratios are measured in the same run)",
+             f"{st['num_requests']} requests, prompts {st['prompt_len'][0]}-{st['prompt_len'][1]} tokens, outputs "
+             f"{st['output_len'][0]}-{st['output_len'][1]} (random ids, greedy, ignore_eos), all queued at once",
+             f"    {'weights':9s} {'seconds':>8s} {'out tok/s':>10s} {'vs float32':>11s} {'rows/step (median)':>19s} "
+             f"{'steps on the kernel route':>26s}"]
+    for name, d in r["runs"].items():
+        sr = d["step_rows"]
+        ratio = f"{d['vs_float32']:10.2f}x" if "vs_float32" in d else f"{'1.00x':>11s}"
+        lines.append(f"    {name:9s} {d['seconds']:8.1f} {d['output_tok_s']:10.1f} {ratio} {sr.get('median_rows', 0):19.0f} "
+                     f"{sr.get('kernel_route_steps', 0):>10d} of {sr.get('steps', 0):<5d} (<= {sr.get('kernel_max_rows')} rows)")
+    for name, d in r["runs"].items():
+        if "vs_float32" in d:
+            lines.append(f"    {name} / float32 = {d['vs_float32']:.2f}x output tok/s   (target >= {r['target_vs_float32']}x: "
+                         f"{_ok(d['vs_float32'], r['target_vs_float32'])})")
+    return "\n".join(lines)
+
+
 # -- the CLI ---------------------------------------------------------------------------------------------
 def _ok(v: float, target: float, lower_is_better: bool = False) -> str:
     good = v < target if lower_is_better else v >= target
@@ -572,6 +660,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-requests", type=int, default=None, help="throughput: number of requests (default 64)")
     ap.add_argument("--batch-size", type=int, default=None, help="throughput: static batch size B (default 16)")
     ap.add_argument("--simple-subset", type=int, default=None, help="throughput: requests run one at a time (default 8)")
+    ap.add_argument("--quantization", default=None, metavar="M[,M...]",
+                    help=f"instead of the four parts: the engine run with quantized weights ({','.join(QUANT_METHODS)}) "
+                         f"beside float32; --json defaults to {QUANT_JSON}")
+    ap.add_argument("--quantization-config", default=None, help="JSON object for int4, e.g. '{\"group_size\": 64}'")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     parts = [p.strip() for p in args.only.split(",") if p.strip()]
@@ -592,8 +684,23 @@ def main(argv: list[str] | None = None) -> int:
     except ModelNotFoundError as e:
         print(f"the default model is missing: {e}")
         return 1
-    res = run_all(s, parts, progress=not args.no_progress)
-    print(format_report(res))
+    if args.quantization:
+        methods = tuple(m.strip() for m in args.quantization.split(",") if m.strip())
+        bad = [m for m in methods if m not in QUANT_METHODS]
+        if bad or not methods:
+            ap.error(f"--quantization: unknown method(s) {bad}; choose from {','.join(QUANT_METHODS)}")
+        qcfg = json.loads(args.quantization_config) if args.quantization_config else None
+        t0 = time.perf_counter()
+        res = dict(env=environment(), quick=s.num_requests < Settings.full().num_requests,
+                   quant_throughput=run_quant_throughput(methods, s, progress=not args.no_progress,
+                                                         quantization_config=qcfg))
+        res["elapsed_s"] = time.perf_counter() - t0
+        print(format_quant_report(res))
+        if args.json == DEFAULT_JSON:
+            args.json = QUANT_JSON
+    else:
+        res = run_all(s, parts, progress=not args.no_progress)
+        print(format_report(res))
     print(f"\n(total {res['elapsed_s']:.0f} s)")
     if args.json:
         path = Path(args.json)

@@ -14,6 +14,10 @@ exactly softmax(QK^T)V, not an approximation.
 FA2's changes over FA1 that this kernel keeps: the loop over K/V is the *inner* loop (each program owns
 its queries, so no two programs write the same output rows), the division by l is deferred to the end,
 and the grid is parallel over (query tiles, heads, batch) so that short batches still fill the GPU.
+
+Quantized K/V (`k_scale`, `v_scale`): k and v hold int8/fp8 codes with one float32 scale per token and K/V
+head (`minfer.attention.kv_quant`; what the Triton backend gathers from a quantized pool); each tile is
+dequantized on load, `code * scale` rounded to q's dtype as the torch reference does.
 """
 
 from __future__ import annotations
@@ -36,8 +40,8 @@ _UNBOUNDED = 1 << 30
 @triton.jit
 def _attend_tile(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, start_n, offs_n, offs_d, mask_d,
                  q_pos, seqlen_k, window_left, window_right, slope_log2,
-                 qk_scale, MASKED: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 DOT_IN_FP32: tl.constexpr):
+                 qk_scale, ks_base, vs_base, stride_st, MASKED: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, KV_QUANT: tl.constexpr):
     """One step of the inner loop: scores of a [BLOCK_M] query tile against keys start_n..start_n+BLOCK_N.
 
     MASKED=False is used for tiles the caller proved fully visible to every query of the tile (the bulk of
@@ -49,6 +53,9 @@ def _attend_tile(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, start_n
     else:
         kv_mask = mask_d[None, :]  # head_dim may be padded up to a power of two
     k = tl.load(k_base + k_idx[:, None].to(tl.int64) * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
+    if KV_QUANT:  # int8/fp8 codes -> values: one scale per (token, K/V head)
+        k_s = tl.load(ks_base + k_idx.to(tl.int64) * stride_st, mask=k_idx < seqlen_k, other=0.0)
+        k = (k.to(tl.float32) * k_s[:, None]).to(q.dtype)
     if DOT_IN_FP32:
         k = k.to(tl.float32)
     # s is in log2 units: scores * softmax_scale * log2(e).
@@ -70,6 +77,9 @@ def _attend_tile(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, start_n
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     v = tl.load(v_base + k_idx[:, None].to(tl.int64) * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+    if KV_QUANT:
+        v_s = tl.load(vs_base + k_idx.to(tl.int64) * stride_st, mask=k_idx < seqlen_k, other=0.0)
+        v = (v.to(tl.float32) * v_s[:, None]).to(q.dtype)
     if DOT_IN_FP32:
         v = v.to(tl.float32)
     # P is rounded to V's dtype (fp16/bf16) so the second matmul runs on tensor cores; acc stays fp32.
@@ -79,12 +89,14 @@ def _attend_tile(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, start_n
 
 @triton.jit
 def _flash_attn_varlen_kernel(
-    Q, K, V, O, LSE, CU_Q, CU_K, SLOPES,
+    Q, K, V, O, LSE, CU_Q, CU_K, SLOPES, K_SCALE, V_SCALE,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lse_h,
+    stride_st, stride_sh,
     qk_scale, window_left, window_right,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_ALIBI: tl.constexpr, RETURN_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     """Grid: (cdiv(max_seqlen_q, BLOCK_M), num_heads, batch). One program = one query tile of one head."""
     pid_m = tl.program_id(0)
@@ -113,6 +125,8 @@ def _flash_attn_varlen_kernel(
         q = q.to(tl.float32)
     k_base = K + k_start.to(tl.int64) * stride_kt + kv_head * stride_kh
     v_base = V + k_start.to(tl.int64) * stride_vt + kv_head * stride_vh
+    ks_base = K_SCALE + k_start.to(tl.int64) * stride_st + kv_head * stride_sh  # unused unless KV_QUANT
+    vs_base = V_SCALE + k_start.to(tl.int64) * stride_st + kv_head * stride_sh
 
     # Query i of a sequence sits at key position seqlen_k - seqlen_q + i (causal mask aligned to the end,
     # which is what a chunked prefill or a prefix-cache hit needs).
@@ -142,15 +156,18 @@ def _flash_attn_varlen_kernel(
     for start_n in range(lo, full_lo, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, start_n, offs_n,
                                      offs_d, mask_d, q_pos, seqlen_k, window_left, window_right, slope_log2,
-                                     qk_scale, True, HAS_ALIBI, DOT_PRECISION, DOT_IN_FP32)
+                                     qk_scale, ks_base, vs_base, stride_st, True, HAS_ALIBI, DOT_PRECISION,
+                                     DOT_IN_FP32, KV_QUANT)
     for start_n in range(full_lo, full_hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, start_n, offs_n,
                                      offs_d, mask_d, q_pos, seqlen_k, window_left, window_right, slope_log2,
-                                     qk_scale, False, HAS_ALIBI, DOT_PRECISION, DOT_IN_FP32)
+                                     qk_scale, ks_base, vs_base, stride_st, False, HAS_ALIBI, DOT_PRECISION,
+                                     DOT_IN_FP32, KV_QUANT)
     for start_n in range(full_hi, hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, start_n, offs_n,
                                      offs_d, mask_d, q_pos, seqlen_k, window_left, window_right, slope_log2,
-                                     qk_scale, True, HAS_ALIBI, DOT_PRECISION, DOT_IN_FP32)
+                                     qk_scale, ks_base, vs_base, stride_st, True, HAS_ALIBI, DOT_PRECISION,
+                                     DOT_IN_FP32, KV_QUANT)
 
     # Deferred normalization (FA2): one division per row instead of one per tile. A row that saw no key
     # (l = 0) outputs 0.
@@ -162,6 +179,27 @@ def _flash_attn_varlen_kernel(
         # Back to natural log: lse = ln(sum_j exp(score_j)) = ln2 * (m + log2 l); a row with no key: -inf.
         lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
         tl.store(LSE + head * stride_lse_h + q_start + offs_m, lse, mask=mask_m)
+
+
+QUANTIZED_CACHE_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def check_kv_scales(k_cache, v_cache, k_scale, v_scale, what: str) -> None:
+    """Raise ValueError unless (k_scale, v_scale) are both None, or both float32 `[*k_cache.shape[:-1]]` on the
+    caches' device with int8/fp8 caches (shared by the paged-decode and flash wrappers; `what` names the caches)."""
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("give both k_scale and v_scale (a quantized cache), or neither")
+    if k_scale is None:
+        return
+    if k_cache.dtype not in QUANTIZED_CACHE_DTYPES or v_cache.dtype not in QUANTIZED_CACHE_DTYPES:
+        raise ValueError(f"k_scale/v_scale go with int8/fp8 {what}, got {k_cache.dtype}, {v_cache.dtype}")
+    want = tuple(k_cache.shape[:-1])
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if t.dtype != torch.float32 or tuple(t.shape) != want or t.device != k_cache.device:
+            raise ValueError(f"{name} must be float32 {list(want)} on {k_cache.device}, got {t.dtype} "
+                             f"{list(t.shape)} on {t.device}")
+    if k_scale.stride() != v_scale.stride():
+        raise ValueError("k_scale and v_scale must have the same strides")
 
 
 def interpreter_active() -> bool:
@@ -190,7 +228,7 @@ _GPU_CONFIGS = [
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=2),
 ]
 _flash_attn_varlen_autotuned = triton.autotune(
-    configs=_GPU_CONFIGS, key=["GROUP", "HEAD_DIM", "HAS_ALIBI", "RETURN_LSE", "DOT_PRECISION"],
+    configs=_GPU_CONFIGS, key=["GROUP", "HEAD_DIM", "HAS_ALIBI", "RETURN_LSE", "DOT_PRECISION", "KV_QUANT"],
 )(_flash_attn_varlen_kernel)
 
 
@@ -218,7 +256,8 @@ INTERPRET_BLOCK_N = 16
 
 
 def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
-                      causal=True, window_size=(-1, -1), alibi_slopes=None, return_lse=False):
+                      causal=True, window_size=(-1, -1), alibi_slopes=None, return_lse=False, k_scale=None,
+                      v_scale=None):
     """FlashAttention-2 forward over a packed batch of variable-length sequences (flash_attn's varlen API).
 
     Args:
@@ -237,6 +276,8 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
             -1 means unbounded on that side.
         alibi_slopes: float32 [num_heads]; adds -slope * |p - j| to each score.
         return_lse: also return the log-sum-exp of each row's scaled scores.
+        k_scale, v_scale: float32 [total_k, num_kv_heads]: k and v then hold int8 / float8_e4m3fn /
+            float8_e5m2 codes, value = code * scale (a quantized KV cache; module docstring).
 
     Returns:
         out [total_q, num_heads, head_dim] in q's dtype; with return_lse also lse, float32
@@ -244,7 +285,8 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 
     Raises:
         ValueError: mismatched shapes/dtypes/devices, head_dim > 256, num_heads not a multiple of
-            num_kv_heads, cu_seqlens not int32 of matching length, bad alibi_slopes.
+            num_kv_heads, cu_seqlens not int32 of matching length, bad alibi_slopes, scales without int8/fp8
+            k/v or of the wrong shape.
 
     Head dims that are not powers of two (80, 96) are padded to the next power of two inside the kernel
     with masked loads; nothing is copied.
@@ -255,8 +297,12 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     total_k, num_kv_heads, _ = k.shape
     if k.shape != v.shape or k.shape[2] != head_dim:
         raise ValueError(f"k and v must both be [total_k, num_kv_heads, {head_dim}], got {k.shape}, {v.shape}")
-    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must share a float32/float16/bfloat16 dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    check_kv_scales(k, v, k_scale, v_scale, "k, v")
+    quant = k_scale is not None
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or (
+            not quant and (k.dtype != q.dtype or v.dtype != q.dtype)):
+        raise ValueError(f"q, k, v must share a float32/float16/bfloat16 dtype (or k, v hold int8/fp8 codes with "
+                         f"k_scale/v_scale), got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device == cu_seqlens_q.device == cu_seqlens_k.device):
         raise ValueError("q, k, v and cu_seqlens must be on the same device")
     if num_heads % num_kv_heads != 0:
@@ -288,14 +334,16 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         return (out, lse) if return_lse else out
 
     args = (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, slopes,
+            k_scale if quant else out, v_scale if quant else out,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), lse.stride(0) if return_lse else 0,
+            *(k_scale.stride() if quant else (0, 0)),
             scale * _LOG2E, left, right)
     meta = dict(GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
                 BLOCK_D=max(16, triton.next_power_of_2(head_dim)),  # tl.dot needs >= 16
                 HAS_ALIBI=alibi_slopes is not None, RETURN_LSE=return_lse,
                 DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                DOT_IN_FP32=dot_in_fp32(q.dtype))
+                DOT_IN_FP32=dot_in_fp32(q.dtype), KV_QUANT=quant)
     if interpreter_active():
         grid = (triton.cdiv(max_seqlen_q, INTERPRET_BLOCK_M), num_heads, batch)
         _flash_attn_varlen_kernel[grid](*args, BLOCK_M=INTERPRET_BLOCK_M, BLOCK_N=INTERPRET_BLOCK_N, **meta)

@@ -23,6 +23,12 @@ where GQA's speed-up comes from, not only its smaller cache.
 Paged cache: the keys of a sequence are not contiguous. Token t lives in physical block
 block_table[b, t // block_size] at offset t % block_size. The kernel looks the block up per token, so the
 key tile size is independent of the cache block size and the block table may be in any order.
+
+Quantized cache (`kv_cache_dtype` int8 / fp8_e4m3 / fp8_e5m2, `minfer.attention.kv_quant`): the pool holds
+8-bit codes and one float32 scale per token and K/V head, `k_scale / v_scale [num_blocks, block_size, KVH]`.
+The kernel loads the codes (1 byte per element instead of 2 or 4: what decode, bound by memory, is paid for),
+and dequantizes them in registers, `k = code * scale`, rounded to the query's dtype exactly as the torch
+reference's `dequantize_kv`, before the same dots.
 """
 
 from __future__ import annotations
@@ -33,20 +39,22 @@ import torch
 import triton
 import triton.language as tl
 
-from .flash_attention import _UNBOUNDED, interpreter_active, autotune_enabled, dot_in_fp32
+from .flash_attention import _UNBOUNDED, autotune_enabled, check_kv_scales, dot_in_fp32, interpreter_active
 
 
 @triton.jit
 def _paged_decode_split_kernel(
-    Q, K_CACHE, V_CACHE, BLOCK_TABLE, CONTEXT_LENS, SLOPES, M_OUT, L_OUT, ACC_OUT,
+    Q, K_CACHE, V_CACHE, BLOCK_TABLE, CONTEXT_LENS, SLOPES, M_OUT, L_OUT, ACC_OUT, K_SCALE, V_SCALE,
     stride_qb, stride_qh,
     stride_kblk, stride_kslot, stride_kh, stride_vblk, stride_vslot, stride_vh,
-    stride_bt,
+    stride_bt, stride_sblk, stride_sslot, stride_sh,
     sm_scale, window_left, num_splits, block_size,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
-    """Grid: (batch, num_kv_heads, num_splits). Writes partial m, l [B, H, S] and acc [B, H, S, D] (fp32)."""
+    """Grid: (batch, num_kv_heads, num_splits). Writes partial m, l [B, H, S] and acc [B, H, S, D] (fp32).
+    KV_QUANT: the caches hold int8/fp8 codes, dequantized on load with K_SCALE / V_SCALE (strides s*)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -88,6 +96,12 @@ def _paged_decode_split_kernel(
                     + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(V_CACHE + block[:, None] * stride_vblk + slot[:, None] * stride_vslot + kv_head * stride_vh
                     + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_QUANT:  # codes -> values in registers: one scale per (token, K/V head)
+            s_off = block * stride_sblk + slot * stride_sslot + kv_head * stride_sh
+            k_s = tl.load(K_SCALE + s_off, mask=mask_n, other=0.0)
+            v_s = tl.load(V_SCALE + s_off, mask=mask_n, other=0.0)
+            k = (k.to(tl.float32) * k_s[:, None]).to(q.dtype)
+            v = (v.to(tl.float32) * v_s[:, None]).to(q.dtype)
         if DOT_IN_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -143,7 +157,7 @@ _DECODE_GPU_CONFIGS = [
     triton.Config({"BLOCK_N": 32}, num_warps=4, num_stages=4),
 ]
 _paged_decode_split_autotuned = triton.autotune(
-    configs=_DECODE_GPU_CONFIGS, key=["GROUP_PAD", "HEAD_DIM", "HAS_ALIBI", "DOT_PRECISION"],
+    configs=_DECODE_GPU_CONFIGS, key=["GROUP_PAD", "HEAD_DIM", "HAS_ALIBI", "DOT_PRECISION", "KV_QUANT"],
 )(_paged_decode_split_kernel)
 INTERPRET_BLOCK_N = 16
 
@@ -162,7 +176,7 @@ def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: 
     return int(max(1, min(want, triton.cdiv(max(max_context, 1), 256), 64)))
 
 
-def _check(q, k_cache, v_cache, block_table, context_lens, alibi_slopes):
+def _check(q, k_cache, v_cache, block_table, context_lens, alibi_slopes, quantized=False):
     if q.dim() != 3:
         raise ValueError(f"q must be [batch, num_heads, head_dim], got {tuple(q.shape)}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
@@ -173,10 +187,10 @@ def _check(q, k_cache, v_cache, block_table, context_lens, alibi_slopes):
         raise ValueError(f"cache head_dim {k_cache.shape[3]} != q head_dim {head_dim}")
     if num_heads % k_cache.shape[2] != 0:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({k_cache.shape[2]})")
-    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or k_cache.dtype != q.dtype \
-            or v_cache.dtype != q.dtype:
-        raise ValueError(f"q and caches must share a float32/float16/bfloat16 dtype, got {q.dtype}, "
-                         f"{k_cache.dtype}, {v_cache.dtype}")
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or (
+            not quantized and (k_cache.dtype != q.dtype or v_cache.dtype != q.dtype)):
+        raise ValueError(f"q and caches must share a float32/float16/bfloat16 dtype (or the caches hold int8/fp8 "
+                         f"codes with k_scale/v_scale), got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if head_dim > 256:
         raise ValueError(f"head_dim {head_dim} > 256 is not supported")
     if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != batch:
@@ -191,7 +205,7 @@ def _check(q, k_cache, v_cache, block_table, context_lens, alibi_slopes):
 
 
 def paged_decode_splits(q, k_cache, v_cache, block_table, context_lens, num_splits, softmax_scale=None,
-                        window_size=(-1, -1), alibi_slopes=None):
+                        window_size=(-1, -1), alibi_slopes=None, k_scale=None, v_scale=None):
     """Kernel 1 of Flash-Decoding alone: the per-split partial results (shown in the notebook).
 
     Returns:
@@ -199,7 +213,9 @@ def paged_decode_splits(q, k_cache, v_cache, block_table, context_lens, num_spli
         split), acc float32 [batch, num_heads, num_splits, head_dim] (sum of exp(score - m) * v, not yet
         divided by l). Arguments as `paged_attention_decode`.
     """
-    _check(q, k_cache, v_cache, block_table, context_lens, alibi_slopes)
+    check_kv_scales(k_cache, v_cache, k_scale, v_scale, "caches")
+    quant = k_scale is not None
+    _check(q, k_cache, v_cache, block_table, context_lens, alibi_slopes, quant)
     if q.stride(-1) != 1:
         q = q.contiguous()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -218,12 +234,15 @@ def paged_decode_splits(q, k_cache, v_cache, block_table, context_lens, num_spli
     left = window_size[0] if window_size[0] >= 0 else _UNBOUNDED  # right is moot: no keys after the query
     args = (q, k_cache, v_cache, block_table, context_lens,
             alibi_slopes.contiguous() if alibi_slopes is not None else m, m, l, acc,
+            k_scale if quant else m, v_scale if quant else m,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
+            *(k_scale.stride() if quant else (0, 0, 0)),
             scale, left, num_splits, k_cache.shape[1])
     meta = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
                 BLOCK_D=max(16, triton.next_power_of_2(head_dim)), HAS_ALIBI=alibi_slopes is not None,
-                DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DOT_IN_FP32=dot_in_fp32(q.dtype))
+                DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DOT_IN_FP32=dot_in_fp32(q.dtype),
+                KV_QUANT=quant)
     grid = (batch, num_kv_heads, num_splits)
     if interpreter_active():
         _paged_decode_split_kernel[grid](*args, BLOCK_N=INTERPRET_BLOCK_N, **meta)
@@ -253,7 +272,7 @@ def combine_splits(m, l, acc, out_dtype=torch.float32, out=None):
 
 
 def paged_attention_decode(q, k_cache, v_cache, block_table, context_lens, softmax_scale=None,
-                           window_size=(-1, -1), alibi_slopes=None, num_splits=None):
+                           window_size=(-1, -1), alibi_slopes=None, num_splits=None, k_scale=None, v_scale=None):
     """One decode step of attention for a batch of sequences whose K/V live in a paged cache.
 
     Args:
@@ -268,13 +287,15 @@ def paged_attention_decode(q, k_cache, v_cache, block_table, context_lens, softm
         window_size: (left, right) as flash_attn; only left matters (keys pos-left .. pos are read).
         alibi_slopes: float32 [num_heads]; adds -slope * (pos - j).
         num_splits: splits of the context per sequence (Flash-Decoding). None: `default_num_splits`.
+        k_scale, v_scale: float32 [num_blocks, block_size, num_kv_heads] for a quantized cache (the caches
+            then hold int8 / float8_e4m3fn / float8_e5m2 codes, value = code * scale; module docstring).
 
     Returns:
         [batch, num_heads, head_dim] in q's dtype.
 
     Raises:
         ValueError: shape, dtype or device mismatch; num_heads not a multiple of num_kv_heads;
-            head_dim > 256; num_splits < 1.
+            head_dim > 256; num_splits < 1; scales without int8/fp8 caches, or of the wrong shape.
     """
     if num_splits is None:
         num_splits = default_num_splits(q.shape[0], k_cache.shape[2], block_table.shape[1] * k_cache.shape[1],
@@ -282,5 +303,5 @@ def paged_attention_decode(q, k_cache, v_cache, block_table, context_lens, softm
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     m, l, acc = paged_decode_splits(q, k_cache, v_cache, block_table, context_lens, num_splits, softmax_scale,
-                                    window_size, alibi_slopes)
+                                    window_size, alibi_slopes, k_scale, v_scale)
     return combine_splits(m, l, acc, out_dtype=q.dtype)

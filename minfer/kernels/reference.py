@@ -178,3 +178,17 @@ def sample_reference(logits, temperature, top_k, top_p, generator=None):
     """Draws one token per row from `sampling_probs_reference` with torch.multinomial. int64 [B]."""
     probs = sampling_probs_reference(logits, temperature, top_k, top_p)
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+def w4a16_reference(x, codes, scale, zero, out_dtype=None):
+    """What `w4a16_matmul` computes, from the unpacked codes: `bf16(x) @ bf16(W)^T` with float32 sums.
+
+    Args:
+        x: [M, K]. codes: uint8 [N, K] in 0..15. scale, zero: [N, K/G] (bfloat16, as `quantize_int4` gives).
+    Returns [M, N] in `out_dtype` (default x's). W = (q - 8) s + z is formed in float32 and rounded to bfloat16
+    once, as the kernel does in its registers."""
+    n, k = codes.shape
+    g = k // scale.shape[1]
+    w = (codes.float().view(n, -1, g) - 8) * scale.float()[..., None] + zero.float()[..., None]
+    w = w.view(n, k).to(torch.bfloat16).float()
+    return (x.to(torch.bfloat16).float() @ w.t()).to(out_dtype or x.dtype)

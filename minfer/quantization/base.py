@@ -58,6 +58,11 @@ class QuantizedLinearMethod(LinearMethodBase):
     def kernel(self, layer, x2: torch.Tensor) -> torch.Tensor:
         """`x2 [T, in]` -> `[T, out]` float by the packed op (the kernel route)."""
 
+    def device_kernel(self, layer, x2: torch.Tensor) -> torch.Tensor:
+        """`x2 [T, in]` on a GPU (or any non-CPU device) -> `[T, out]` in x2's dtype. Default: dequantize to
+        x2's dtype and one `F.linear`; "int4" overrides it with its Triton W4A16 kernel."""
+        return F.linear(x2, self.dequantize(layer, x2.dtype))
+
     # -- the LinearMethod interface --------------------------------------------------------------------
     def create_weights(self, layer, in_features: int, output_sizes: list[int], bias: bool) -> None:
         UnquantizedLinearMethod.create_weights(self, layer, in_features, output_sizes, bias)
@@ -77,7 +82,7 @@ class QuantizedLinearMethod(LinearMethodBase):
             return self.fallback.apply(layer, x)
         x2 = x.reshape(-1, layer.in_features)
         if x2.device.type != "cpu":
-            y = F.linear(x2, self.dequantize(layer, x.dtype))
+            y = self.device_kernel(layer, x2)
         elif x2.shape[0] <= self.kernel_max_rows:
             y = self.kernel(layer, x2).to(x.dtype)
         else:

@@ -67,8 +67,20 @@ def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """codes uint8 [out, in] -> the packed `uint8 [out, in/2]` of `_convert_weight_to_int4pack_for_cpu`."""
+    """codes uint8 [out, in] -> the packed `uint8 [out, in/2]` of `_convert_weight_to_int4pack_for_cpu`
+    (on a CPU, the op itself; elsewhere, for `out % 64 == 0`, `pack_int4_blocked`: the same bytes, which the
+    GPU's Triton W4A16 kernel reads)."""
+    if codes.device.type != "cpu":
+        return pack_int4_blocked(codes)
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+
+
+def pack_int4_blocked(codes: torch.Tensor) -> torch.Tensor:
+    """codes uint8 [out, in] (out % 64 == 0) -> the op's layout (module docstring) in plain torch, on any device:
+    byte [b, k, i] = row 64b+i | row 64b+32+i << 4. The inverse of `unpack_int4`."""
+    out, k = codes.shape
+    c = codes.to(torch.uint8).view(out // 64, 2, 32, k)  # [blocks, low/high half, 32 rows, in]
+    return (c[:, 0] | (c[:, 1] << 4)).permute(0, 2, 1).reshape(out, k // 2).contiguous()
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
@@ -107,7 +119,7 @@ class Int4LinearMethod(QuantizedLinearMethod):
         layer.group_size = codes.shape[1] // scale.shape[1]
         store(layer, "scales_and_zeros", torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous())
         layer.int4_packed = out % 64 == 0  # the op's layout is read back by unpack_int4 only for these
-        layer.int4_kernel = out % 16 == 0 and codes.device.type == "cpu"  # the op needs out % 16 == 0
+        layer.int4_kernel = out % 16 == 0 and codes.device.type == "cpu"  # the CPU op needs out % 16 == 0
         if layer.int4_packed:
             store(layer, "qweight", pack_int4(codes))
         else:  # own nibble layout for the dequantize route, and the op's copy where the op runs
@@ -123,6 +135,14 @@ class Int4LinearMethod(QuantizedLinearMethod):
     def dequantize(self, layer, dtype: torch.dtype) -> torch.Tensor:
         sz = layer.scales_and_zeros.transpose(0, 1)  # [out, in/G, 2]
         return dequantize_int4(self.codes(layer), sz[..., 0], sz[..., 1], dtype)
+
+    def device_kernel(self, layer, x2: torch.Tensor) -> torch.Tensor:
+        """On a GPU: the Triton W4A16 kernel (`minfer.kernels.w4a16`), dequantizing in registers, at every
+        batch size (it reads the codes in either layout; the CPU's two routes do not apply there)."""
+        from minfer.kernels.w4a16 import w4a16_matmul
+
+        return w4a16_matmul(x2, layer.qweight, layer.scales_and_zeros, layer.group_size, layer.int4_packed,
+                            out_dtype=x2.dtype)
 
     def kernel(self, layer, x2: torch.Tensor) -> torch.Tensor:
         if not layer.int4_kernel:
