@@ -132,6 +132,13 @@ class Worker:
             self.sampler = TritonSampler(self.generator)  # fused_sample where a batch allows it
         else:
             self.sampler = Sampler(self.generator)
+            if self.device.type == "cpu":
+                # The C++ fused sampler (chapter 7 §7.4): the same greedy tokens and the same distribution in
+                # fewer passes over the logits; the torch Sampler where it cannot be built (MINFER_CPU_KERNELS=0).
+                from minfer.kernels.sampler_cpu import CpuFusedSampler, cpu_sampler_available
+
+                if cpu_sampler_available():
+                    self.sampler = CpuFusedSampler(self.generator)
 
     def prepare_inputs(self, batch: "ScheduledBatch") -> tuple[torch.Tensor, ForwardContext, list[int]]:
         """Flat input ids `[num_tokens]` and the ForwardContext of a batch; also which batch rows sample this
