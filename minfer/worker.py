@@ -201,7 +201,9 @@ class Worker:
             return rows, None, None, None
         mask = None if batch.grammar_bitmask is None else batch.grammar_bitmask[rows]
         if any(batch.seqs[j].spec_token_ids for j in rows):
-            return (rows, *self._verify(logits, [batch.seqs[j] for j in rows], mask))
+            spec_masks = batch.spec_grammar_bitmasks or {}
+            return (rows, *self._verify(logits, [batch.seqs[j] for j in rows], mask,
+                                        [spec_masks.get(j) for j in rows]))
         tokens, chosen, tops = self.sampler(logits, [batch.seqs[j] for j in rows], mask)
         return rows, tokens.tolist(), (None if chosen is None else chosen.tolist()), tops
 
@@ -307,11 +309,14 @@ class Worker:
                 seq.prompt_logprobs.extend(entries)
             offset += n
 
-    def _verify(self, logits: torch.Tensor, seqs: list, mask: torch.Tensor | None = None
-                ) -> tuple[list, list | None, list | None]:
+    def _verify(self, logits: torch.Tensor, seqs: list, mask: torch.Tensor | None = None,
+                spec_masks: list | None = None) -> tuple[list, list | None, list | None]:
         """A batch with speculating rows: ordinary rows go through the sampler (with their rows of the
-        structured-output `mask`; a guided row never speculates), each speculating row through
-        `rejection_sample` over its k + 1 logits and yields a list of tokens (with lists of logprobs)."""
+        structured-output `mask`), each speculating row through `rejection_sample` over its k + 1 logits and
+        yields a list of tokens (with lists of logprobs). A guided speculating row's logits are masked first,
+        position by position (`spec_masks[i]`, int32 `[k + 1, ceil(V/32)]`), so a draft the grammar refuses
+        has p = 0 and every emitted token is one the grammar allows there; logprobs stay the raw model's."""
+        from minfer.sampling import apply_token_bitmask
         from minfer.spec_decode.rejection import rejection_sample
 
         sizes = [1 + len(s.spec_token_ids) for s in seqs]
@@ -335,7 +340,9 @@ class Worker:
         for i, (s, n) in enumerate(zip(seqs, sizes)):
             if s.spec_token_ids:
                 rows = logits[start:start + n].float()
-                out = rejection_sample(rows, s.spec_token_ids, s.params, s.spec_draft_probs,
+                guided = spec_masks[i] if spec_masks else None
+                out = rejection_sample(rows if guided is None else apply_token_bitmask(rows, guided),
+                                       s.spec_token_ids, s.params, s.spec_draft_probs,
                                        self.sampler.generator_for(s, logits.device) or self.generator)
                 tokens[i] = out
                 if want_lp:
