@@ -335,7 +335,13 @@ class LLMEngine:
         t0 = time.perf_counter()
         spec = self.spec_decoder
         if spec is not None:
-            spec.propose(self.scheduler.running)
+            so = self.structured_output
+            if so is not None and so.matchers:  # guided rows draft and verify under their grammar (chapter 7 §7.5)
+                with so.draft_guide() as guide:
+                    spec.propose(self.scheduler.running, guide)
+                so.truncate_drafts(self.scheduler.running)
+            else:
+                spec.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch:
             if self.scheduler.has_unfinished():
@@ -344,6 +350,8 @@ class LLMEngine:
         so = self.structured_output
         if so is not None and so.matchers:
             batch.grammar_bitmask = so.bitmask(batch.seqs)
+            if spec is not None:  # a guided row verifies its drafts under the grammar's mask at each position
+                batch.spec_grammar_bitmasks = so.spec_bitmasks(batch.seqs) or None
         t1 = time.perf_counter()
         rows, tokens, chosen, tops = self.executor.execute_model(batch)
         self.last_step_num_tokens = int(sum(batch.num_new_tokens))  # vLLM's iteration_tokens_total (server metric)
@@ -396,11 +404,15 @@ class LLMEngine:
 
     def _append_verified(self, seq: Sequence, tokens: list[int], logprobs: list[float] | None, tops) -> int:
         """Append a verified row's tokens one by one, stopping where the sequence finishes (a stop token,
-        a stop string, max_tokens); returns how many were appended."""
+        a stop string, max_tokens, a complete grammar); a guided row's matcher advances by each. Returns how
+        many were appended."""
+        so = self.structured_output
         for i, t in enumerate(tokens):
             seq.append_token(t, logprobs[i] if logprobs else 0.0, tops[i] if tops else None)
             self.output_processor.process(seq)
             self._gen_tokens += 1
+            if so is not None and so.accept(seq, t) and not seq.is_finished:
+                seq.finish_reason = "stop"  # the grammar is complete: the rest of the row is dropped
             if seq.is_finished:
                 return i + 1
         return len(tokens)

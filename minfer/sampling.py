@@ -177,7 +177,6 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], bitmask: torch.Tensor | None = None):
         """`bitmask`: structured output's int32 `[B, ceil(V/32)]` token mask (None: no row is guided),
         applied after the logits processors and before temperature, top-k and top-p."""
-        b = logits.shape[0]
         params = [s.params for s in seqs]
         greedy = [p.greedy for p in params]
         raw = logits
@@ -189,22 +188,30 @@ class Sampler:
             tokens = logits.argmax(dim=-1)
         else:
             tokens = self._sample(logits, seqs, params, greedy)
-        logits = raw
         want_lp = [p.logprobs for p in params]
         if all(k is None for k in want_lp):
             return tokens, None, None
-        logp = logits.log_softmax(dim=-1)
+        logp = raw.log_softmax(dim=-1)
         chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        return tokens, chosen, self.top_logprobs(raw, tokens, chosen, want_lp, logp)
+
+    @staticmethod
+    def top_logprobs(raw: torch.Tensor, tokens: torch.Tensor, chosen: torch.Tensor, want_lp: list[int | None],
+                     logp: torch.Tensor | None = None) -> list[dict[int, float]]:
+        """Each row's {token id: logprob} of its `want_lp[i]` most likely tokens under `raw` `[B, V]`, plus the
+        chosen token (`tokens`, `chosen` `[B]`). `logp`: raw's log_softmax if already computed."""
         k_max = max(k or 0 for k in want_lp)
-        top_vals, top_ids = (logp.topk(k_max, dim=-1) if k_max else (None, None))
+        top_vals = top_ids = None
+        if k_max:
+            top_vals, top_ids = (raw.log_softmax(dim=-1) if logp is None else logp).topk(k_max, dim=-1)
         tops = []
-        for i in range(b):
+        for i in range(len(want_lp)):
             d = {}
             if want_lp[i]:
                 d = dict(zip(top_ids[i, :want_lp[i]].tolist(), top_vals[i, :want_lp[i]].tolist()))
             d[int(tokens[i])] = float(chosen[i])
             tops.append(d)
-        return tokens, chosen, tops
+        return tops
 
     def _sample(self, logits, seqs, params, greedy):
         # `logits` are already processed (penalties, bias): greedy rows of a mixed batch take their argmax.

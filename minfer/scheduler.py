@@ -49,6 +49,9 @@ class ScheduledBatch:
     # structured output: int32 [len(seqs), ceil(V/32)] token bitmask of the rows (None: no guided row); set by
     # the engine after scheduling (`minfer.structured_output.StructuredOutputManager.bitmask`)
     grammar_bitmask: object = None
+    # with speculation: {batch row: int32 [k + 1, ceil(V/32)]}, the masks a guided row's drafts are verified
+    # under (`StructuredOutputManager.spec_bitmasks`), or None
+    spec_grammar_bitmasks: object = None
 
     @property
     def num_tokens(self) -> int:

@@ -170,6 +170,66 @@ class StructuredOutputManager:
         self.mask_time_s += time.perf_counter() - t0
         return mask
 
+    def draft_guide(self) -> "DraftGuide":
+        """A context manager for one proposal of a draft model: masks for the draft positions of guided
+        sequences; on exit every matcher is rolled back to where it was."""
+        return DraftGuide(self)
+
+    def truncate_drafts(self, seqs: list) -> None:
+        """Cut each guided sequence's speculative drafts (`seq.spec_token_ids`) at the first token its grammar
+        refuses (`LLMatcher.validate_tokens`; the matcher does not move), so no forward is spent on positions
+        that cannot be accepted.
+
+        Only where that keeps the output distribution: greedy requests (a refused draft never equals the
+        masked argmax) and deterministic proposers (n-gram: `spec_draft_probs` is None; the cut drafts are
+        still a function of the context). A sampled draft model's drafts are left whole: cutting them on a
+        property of the drawn draft would bias Leviathan et al.'s acceptance rule; a refused draft has p = 0
+        under the mask and is rejected there."""
+        for s in seqs:
+            m = self.matchers.get(s.seq_id)
+            if m is None or not s.spec_token_ids or not (s.params.greedy or s.spec_draft_probs is None):
+                continue
+            n = 0 if m.is_error() else m.validate_tokens(s.spec_token_ids)
+            if n < len(s.spec_token_ids):
+                s.spec_token_ids = s.spec_token_ids[:n]
+                if s.spec_draft_probs is not None:
+                    s.spec_draft_probs = s.spec_draft_probs[:n] if n else None
+
+    def spec_bitmasks(self, seqs: list) -> dict[int, torch.Tensor]:
+        """The masks a speculating guided sequence is verified under: for batch row j with k drafts, int32
+        `[k + 1, ceil(V/32)]`, row i the grammar's mask after the drafts d_1..d_i (row 0: its current state).
+
+        The matcher consumes the drafts that the grammar allows and is rolled back (`LLMatcher.rollback`), so
+        it ends where it started; the engine then advances it by the tokens verification emits. Rows after the
+        first refused draft are never read (that draft has p = 0 and is rejected) and repeat the last mask."""
+        out: dict[int, torch.Tensor] = {}
+        t0 = time.perf_counter()
+        for j, s in enumerate(seqs):
+            m = self.matchers.get(s.seq_id)
+            if m is None or not s.spec_token_ids:
+                continue
+            drafts = s.spec_token_ids
+            masks = torch.full((len(drafts) + 1, bitmask_width(self.vocab_size)), -1, dtype=torch.int32)
+            row_bytes = masks.shape[1] * 4
+            if m.is_error():
+                out[j] = masks  # accept() aborts the sequence on its next token
+                continue
+            m.unsafe_compute_mask_ptr(masks[0].data_ptr(), row_bytes)
+            consumed = 0
+            for i in range(m.validate_tokens(drafts)):
+                # EOS ends the sequence, so nothing after it is read; and llguidance does not count a consumed
+                # EOS in what `rollback` undoes, so it is never consumed here.
+                if drafts[i] in self.eos or not m.consume_token(drafts[i]) or m.is_error():
+                    break
+                consumed += 1
+                m.unsafe_compute_mask_ptr(masks[i + 1].data_ptr(), row_bytes)
+            if consumed:
+                m.rollback(consumed)
+            masks[consumed + 1:] = masks[consumed]
+            out[j] = masks
+        self.mask_time_s += time.perf_counter() - t0
+        return out
+
     def accept(self, seq, token: int) -> bool:
         """Advance `seq`'s matcher by its sampled `token`; True when the grammar is now complete (the
         sequence should finish). An unguided sequence: False.
@@ -195,3 +255,52 @@ class StructuredOutputManager:
     def release(self, seq_ids) -> None:
         for sid in seq_ids:
             self.matchers.pop(sid, None)
+
+
+class DraftGuide:
+    """The grammar masks a draft model drafts under (`DraftModelProposer.propose`), one draft step at a time.
+
+    Each call advances the guided sequences' matchers by the token each drafted since the last call and
+    returns the masks of the next position; `__exit__` rolls every matcher back by what it consumed (llguidance's
+    `rollback`), so verification and the real acceptance start from the true state.
+    """
+
+    def __init__(self, manager: StructuredOutputManager):
+        self.manager = manager
+        self.consumed: dict[int, int] = {}  # seq_id -> draft tokens its matcher has consumed
+
+    def __enter__(self) -> "DraftGuide":
+        return self
+
+    def masks(self, seqs: list, drafted: list[list[int]]) -> torch.Tensor | None:
+        """int32 `[len(seqs), ceil(V/32)]` masks for the next draft position of `seqs` (`drafted[r]`: the
+        tokens row r has drafted so far), all ones for unguided rows; None when no row is guided."""
+        matchers = self.manager.matchers
+        if not any(s.seq_id in matchers for s in seqs):
+            return None
+        t0 = time.perf_counter()
+        mask = torch.full((len(seqs), bitmask_width(self.manager.vocab_size)), -1, dtype=torch.int32)
+        for r, (s, d) in enumerate(zip(seqs, drafted)):
+            m = matchers.get(s.seq_id)
+            if m is None or m.is_error():
+                continue
+            done = self.consumed.get(s.seq_id, 0)
+            if any(t in self.manager.eos for t in d):
+                continue  # the sequence ends at its drafted EOS: later drafts are never read (and EOS is never
+                # consumed: llguidance's rollback does not count it)
+            for t in d[done:]:
+                if not m.consume_token(t):
+                    break
+                done += 1
+            self.consumed[s.seq_id] = done
+            if not m.is_error():
+                m.unsafe_compute_mask_ptr(mask[r].data_ptr(), mask.shape[1] * 4)
+        self.manager.mask_time_s += time.perf_counter() - t0
+        return mask
+
+    def __exit__(self, *exc) -> None:
+        for sid, n in self.consumed.items():
+            m = self.manager.matchers.get(sid)
+            if m is not None and n:
+                m.rollback(n)
+        self.consumed.clear()

@@ -133,6 +133,13 @@ class Worker:
             self.sampler = TritonSampler(self.generator)  # fused_sample where a batch allows it
         else:
             self.sampler = Sampler(self.generator)
+            if self.device.type == "cpu":
+                # The C++ fused sampler (chapter 7 §7.4): the same greedy tokens and the same distribution in
+                # fewer passes over the logits; the torch Sampler where it cannot be built (MINFER_CPU_KERNELS=0).
+                from minfer.kernels.sampler_cpu import CpuFusedSampler, cpu_sampler_available
+
+                if cpu_sampler_available():
+                    self.sampler = CpuFusedSampler(self.generator)
 
     def prepare_inputs(self, batch: "ScheduledBatch") -> tuple[torch.Tensor, ForwardContext, list[int]]:
         """Flat input ids `[num_tokens]` and the ForwardContext of a batch; also which batch rows sample this
@@ -195,7 +202,9 @@ class Worker:
             return rows, None, None, None
         mask = None if batch.grammar_bitmask is None else batch.grammar_bitmask[rows]
         if any(batch.seqs[j].spec_token_ids for j in rows):
-            return (rows, *self._verify(logits, [batch.seqs[j] for j in rows], mask))
+            spec_masks = batch.spec_grammar_bitmasks or {}
+            return (rows, *self._verify(logits, [batch.seqs[j] for j in rows], mask,
+                                        [spec_masks.get(j) for j in rows]))
         tokens, chosen, tops = self.sampler(logits, [batch.seqs[j] for j in rows], mask)
         return rows, tokens.tolist(), (None if chosen is None else chosen.tolist()), tops
 
@@ -301,11 +310,14 @@ class Worker:
                 seq.prompt_logprobs.extend(entries)
             offset += n
 
-    def _verify(self, logits: torch.Tensor, seqs: list, mask: torch.Tensor | None = None
-                ) -> tuple[list, list | None, list | None]:
+    def _verify(self, logits: torch.Tensor, seqs: list, mask: torch.Tensor | None = None,
+                spec_masks: list | None = None) -> tuple[list, list | None, list | None]:
         """A batch with speculating rows: ordinary rows go through the sampler (with their rows of the
-        structured-output `mask`; a guided row never speculates), each speculating row through
-        `rejection_sample` over its k + 1 logits and yields a list of tokens (with lists of logprobs)."""
+        structured-output `mask`), each speculating row through `rejection_sample` over its k + 1 logits and
+        yields a list of tokens (with lists of logprobs). A guided speculating row's logits are masked first,
+        position by position (`spec_masks[i]`, int32 `[k + 1, ceil(V/32)]`), so a draft the grammar refuses
+        has p = 0 and every emitted token is one the grammar allows there; logprobs stay the raw model's."""
+        from minfer.sampling import apply_token_bitmask
         from minfer.spec_decode.rejection import rejection_sample
 
         sizes = [1 + len(s.spec_token_ids) for s in seqs]
@@ -329,7 +341,9 @@ class Worker:
         for i, (s, n) in enumerate(zip(seqs, sizes)):
             if s.spec_token_ids:
                 rows = logits[start:start + n].float()
-                out = rejection_sample(rows, s.spec_token_ids, s.params, s.spec_draft_probs,
+                guided = spec_masks[i] if spec_masks else None
+                out = rejection_sample(rows if guided is None else apply_token_bitmask(rows, guided),
+                                       s.spec_token_ids, s.params, s.spec_draft_probs,
                                        self.sampler.generator_for(s, logits.device) or self.generator)
                 tokens[i] = out
                 if want_lp:

@@ -154,7 +154,11 @@ def test_paths_give_the_plain_engines_outputs(model, tiny, config):
     want = [o.outputs[0].token_ids for o in tiny.generate(prompts, params)]
     other = LLM(model=model, **{**ENGINE, **config})
     got = other.generate(prompts, params)
-    assert [o.outputs[0].token_ids for o in got] == want
+    # Guided requests speculate (tests/test_spec_decode_guided.py): the greedy ones are token-for-token the plain
+    # engine's; the seeded sampled ones draw through the rejection sampler, from the same distribution, but not
+    # the same tokens.
+    same = 3 if "speculative_config" in config else len(params)
+    assert [o.outputs[0].token_ids for o in got[:same]] == want[:same]
     for o in got:
         jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
     if "kv_cache_memory_bytes" in config:

@@ -18,8 +18,14 @@ the answer.
 
 A chat template that renders `tools` (Qwen's, Llama 3.1's, Hermes') is given them; one that ignores them
 (SmolLM2-135M-Instruct's: the render is the same with and without) gets them in a system message that
-minfer writes, `TOOL_PROMPT`. One call per answer: `parallel_tool_calls` is accepted, and at most one call
-is made. A streamed answer with tools sends its call (or its text) in one delta when the output is complete
+minfer writes, `TOOL_PROMPT`.
+
+More than one call per answer (OpenAI's `parallel_tool_calls`, true by default): an output that is a JSON
+array of calls, several `<tool_call>` blocks, or one call object per line becomes several `tool_calls`, in
+order; with `parallel_tool_calls: false` only the first is returned. A forced tool_choice constrains the output
+to one call, or, when the request says `parallel_tool_calls: true` explicitly, to one call or a non-empty array
+of calls (left out, the forced grammar stays one call: a small model offered the array tends to repeat calls).
+A streamed answer with tools sends its call (or its text) in one delta when the output is complete
 (vLLM's tool parsers stream the arguments as they grow).
 """
 
@@ -33,7 +39,7 @@ from minfer.sampling_params import GuidedDecodingParams
 from minfer.serve.protocol import APIError, StreamChunks, echo
 
 TOOL_PROMPT = ("You can call functions. To call one, reply with only a JSON object "
-               "{{\"name\": <function name>, \"arguments\": {{<its arguments>}}}} and nothing else.{auto}\n"
+               "{{\"name\": <function name>, \"arguments\": {{<its arguments>}}}} and nothing else.{auto}{parallel}\n"
                "Functions:\n{functions}")
 MAX_TOOLS = 128  # OpenAI's limit
 
@@ -47,6 +53,8 @@ class ToolRequest:
     choice: str
     name: str | None = None
     functions: dict[str, dict] = field(default_factory=dict)  # name -> {"name", "description", "parameters"}
+    parallel: bool = True  # parallel_tool_calls: more than one call may be returned
+    parallel_explicit: bool = False  # the request said parallel_tool_calls: true (the forced grammar takes arrays)
 
     @property
     def constrained(self) -> bool:
@@ -60,6 +68,9 @@ def parse_tools(body: dict) -> ToolRequest | None:
         APIError(400): a malformed tool or tool_choice, a duplicate or unknown name, tool_choice without tools.
     """
     tools, choice = body.get("tools"), body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise APIError(400, f"parallel_tool_calls must be a boolean, got {echo(parallel)}", param="parallel_tool_calls")
     if tools is None or tools == []:
         if choice not in (None, "none"):
             raise APIError(400, "tool_choice needs tools", param="tool_choice")
@@ -92,6 +103,7 @@ def parse_tools(body: dict) -> ToolRequest | None:
     else:
         raise APIError(400, "tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
                             f"\"function\": {{\"name\": ...}}}}, got {echo(choice)}", param="tool_choice")
+    req.parallel, req.parallel_explicit = parallel is not False, parallel is True
     return None if req.choice == "none" else req
 
 
@@ -104,6 +116,15 @@ def call_schema(req: ToolRequest) -> dict:
     return alts[0] if len(alts) == 1 else {"anyOf": alts}
 
 
+def answer_schema(req: ToolRequest) -> dict:
+    """The JSON schema of a forced answer: one call (`call_schema`), or, with an explicit
+    `parallel_tool_calls: true`, one call or a non-empty array of calls."""
+    one = call_schema(req)
+    if not (req.parallel and req.parallel_explicit):
+        return one
+    return {"anyOf": [one, {"type": "array", "items": one, "minItems": 1}]}
+
+
 def guided(req: ToolRequest) -> GuidedDecodingParams | None:
     """The structured-output constraint of a "required" or named tool_choice (None for "auto").
 
@@ -114,7 +135,7 @@ def guided(req: ToolRequest) -> GuidedDecodingParams | None:
         return None
     from minfer.serve.guided import check
 
-    g = GuidedDecodingParams(json=call_schema(req))
+    g = GuidedDecodingParams(json=answer_schema(req))
     check(g, "tools")
     return g
 
@@ -196,7 +217,8 @@ def render_prompt(tokenizer, raw_messages, req: ToolRequest) -> list[int]:
     else:
         listing = "\n".join(json.dumps(f, ensure_ascii=False) for f in req.functions.values())
         auto = " If no function fits, answer in plain text." if req.choice == "auto" else ""
-        system = TOOL_PROMPT.format(auto=auto, functions=listing)
+        parallel = " To call several, reply with a JSON array of such objects." if req.parallel_explicit else ""
+        system = TOOL_PROMPT.format(auto=auto, parallel=parallel, functions=listing)
         if msgs and msgs[0]["role"] == "system":
             msgs = [{"role": "system", "content": msgs[0]["content"] + "\n\n" + system}] + msgs[1:]
         else:
@@ -206,24 +228,54 @@ def render_prompt(tokenizer, raw_messages, req: ToolRequest) -> list[int]:
 
 
 # -- the answer ---------------------------------------------------------------------------------------------
-def parse_output(text: str, req: ToolRequest) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls) of an output: a call of a given tool (bare JSON or in <tool_call> tags) becomes
-    one OpenAI tool call with its arguments as JSON text; anything else stays content."""
-    body = text.strip()
-    if body.startswith("<tool_call>"):
-        body = body[len("<tool_call>"):].split("</tool_call>")[0].strip()
-    try:
-        obj = json.loads(body)
-    except (json.JSONDecodeError, RecursionError):
-        return text, []
+def _as_call(obj, req: ToolRequest) -> dict | None:
+    """OpenAI's tool call of `{"name": <a given tool>, "arguments": {...}}` (or "parameters"), else None."""
     if not (isinstance(obj, dict) and obj.get("name") in req.functions):
-        return text, []
+        return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if not isinstance(args, dict):
-        return text, []
-    call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+        return None
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
-    return None, [call]
+
+
+def _json_values(body: str) -> list | None:
+    """The JSON values of `body`: one value, or several one after another (whitespace between); None if any
+    part is not JSON."""
+    decoder, values, i = json.JSONDecoder(), [], 0
+    try:
+        while i < len(body):
+            value, i = decoder.raw_decode(body, i)
+            values.append(value)
+            while i < len(body) and body[i].isspace():
+                i += 1
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    return values
+
+
+def parse_output(text: str, req: ToolRequest) -> tuple[str | None, list[dict]]:
+    """(content, tool_calls) of an output. Calls of given tools become OpenAI tool calls (arguments as JSON
+    text), in order: a bare call object, a JSON array of them, several objects one after another, or each in
+    `<tool_call>...</tool_call>` tags. Anything else (or any part that is not a call) stays content. With
+    `parallel_tool_calls: false` only the first call is kept."""
+    body = text.strip()
+    if body.startswith("<tool_call>"):
+        parts = [p.split("</tool_call>")[0].strip() for p in body.split("<tool_call>")[1:]]
+        values = [_json_values(p) for p in parts]
+        if any(v is None or len(v) != 1 for v in values):
+            return text, []
+        values = [v[0] for v in values]
+    else:
+        values = _json_values(body)
+        if values is None or not values:
+            return text, []
+        if len(values) == 1 and isinstance(values[0], list):
+            values = values[0]
+    calls = [_as_call(v, req) for v in values]
+    if not calls or any(c is None for c in calls):
+        return text, []
+    return None, calls if req.parallel else calls[:1]
 
 
 def rewrite_response(resp: dict, req: ToolRequest) -> dict:
@@ -257,7 +309,7 @@ class ToolStreamChunks(StreamChunks):
         index = self.prompt_index[request_id] * self.n + o.index
         content, calls = parse_output(o.text, self.tool_request)
         if calls:
-            delta = {"tool_calls": [{"index": 0, **calls[0]}]}
+            delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
             finish = "tool_calls" if o.finish_reason == "stop" else o.finish_reason
         else:
             delta, finish = ({"content": o.text} if o.text else {}), o.finish_reason

@@ -39,7 +39,9 @@ class SpecDecoder:
         left = min(seq.max_tokens - len(seq.output_token_ids), seq.max_model_len - len(seq))
         return max(0, min(self.k, left - 1))
 
-    def propose(self, running: list["Sequence"]) -> None:
+    def propose(self, running: list["Sequence"], guide=None) -> None:
+        """Drafts for the running sequences that decode this step. `guide`: structured output's `DraftGuide`
+        for a draft model (guided sequences draft under their grammar's mask), or None."""
         self.clear(running)  # drafts of a sequence the last step could not hold are stale
         seqs, ks = [], []
         for s in running[:self.max_num_seqs]:
@@ -54,7 +56,7 @@ class SpecDecoder:
             for s, k in zip(seqs, ks):
                 s.spec_token_ids, s.spec_draft_probs = self.proposer.propose(s.all_token_ids, k), None
         else:
-            drafts, probs = self.proposer.propose(seqs, ks)
+            drafts, probs = self.proposer.propose(seqs, ks, guide)
             for s, d, q in zip(seqs, drafts, probs):
                 s.spec_token_ids, s.spec_draft_probs = d, q
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from minfer.sampling import apply_token_bitmask
 from minfer.spec_decode.rejection import processed_probs
 
 if TYPE_CHECKING:
@@ -59,8 +60,13 @@ class DraftModelProposer:
         self.states: dict[int, _DraftSeq] = {}
 
     @torch.inference_mode()
-    def propose(self, seqs: list["Sequence"], ks: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        """Drafts for each sequence (up to ks[i] tokens) and their q `[len, V]` (None for greedy requests)."""
+    def propose(self, seqs: list["Sequence"], ks: list[int], guide=None
+                ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        """Drafts for each sequence (up to ks[i] tokens) and their q `[len, V]` (None for greedy requests).
+
+        `guide`: structured output's `DraftGuide` (or None): a guided sequence's draft logits are masked by its
+        grammar at each draft position, so its drafts are valid and q is the masked draft distribution (what
+        Leviathan et al.'s rule needs: q is whatever the drafts were drawn from)."""
         drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         live, first = [], []
@@ -89,6 +95,10 @@ class DraftModelProposer:
             hidden = self.worker.model(ids, ctx)
             logits = self.worker.model.compute_logits(hidden[ctx.logits_indices]).float()
             nxt = []
+            if guide is not None:
+                masks = guide.masks([seqs[i] for i in rows], [drafts[i] for i in rows])
+                if masks is not None:
+                    logits = apply_token_bitmask(logits, masks)
             for r, (i, st, n) in enumerate(zip(rows, states, counts)):
                 params = seqs[i].params
                 if params.greedy:

@@ -22,10 +22,11 @@ from minfer.sampling_params import SamplingParams
 
 # SamplingParams fields (some added by other chapters) under which the target's distribution at a position
 # depends on more than the tokens before it in a way this verifier does not reproduce (penalties count the
-# output so far, min_tokens masks EOS up to a length, a grammar masks by state): such requests decode normally.
+# output so far, min_tokens masks EOS up to a length): such requests decode normally. A grammar
+# (guided_decoding) is reproduced: the engine verifies a guided row's drafts under the grammar's mask at each
+# draft position (`StructuredOutputManager.spec_bitmasks`, llguidance's rollback), so guided requests speculate.
 _UNSUPPORTED = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_tokens": 0,
-                "logit_bias": None, "guided_decoding": None, "structured_outputs": None, "allowed_token_ids": None,
-                "bad_words": None, "logits_processors": None}
+                "logit_bias": None, "allowed_token_ids": None, "bad_words": None, "logits_processors": None}
 
 
 def speculation_supported(params: SamplingParams) -> bool:
