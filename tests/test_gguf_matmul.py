@@ -165,25 +165,39 @@ def test_config_kernel_key():
         parse_quantization_config("gguf", {"kernel": "fast"})
 
 
+# The blocks route rounds activations to 8 bits per block of 32 (llama.cpp's choice), coarser than the older
+# route's bfloat16: measured on 'The capital of France is', step 5, the float32 model's two best tokens are
+# 0.22 nats apart and the blocks route takes the runner-up (the older route does not). Flips are allowed only
+# at such near-ties, at most one prompt in four.
+BLOCKS_NEAR_TIE = 0.5
+
+
 @needs_kernel
 @needs_default_model
-def test_engine_blocks_route_greedy_equals_torch_route():
-    """SmolLM2-135M's Q4_1 file (Q8_0 head) on the blocks kernel against the older route (bfloat16 int4 op,
-    int8 codes): the same greedy tokens, or the same up to a near-tie where the two roundings of the
-    activations (8-bit blocks vs bfloat16) may pick different tokens."""
+def test_engine_blocks_route_greedy_against_float_and_torch_route():
+    """SmolLM2-135M's Q4_1 file (Q8_0 head) on the blocks kernel: every Linear takes it, the resident weights
+    are within 1.1x the file, and the greedy tokens equal those of the same weights in float32 (gguf's
+    dequantization) and of the older route, up to near-ties (above)."""
     from minfer import LLM, SamplingParams
     from minfer.memory import weight_bytes
-    from tests.test_quant import PROMPTS, assert_same_until_a_near_tie
+    from minfer.model.sources import find_default_gguf
+    from tests.test_quant import PROMPTS
 
-    kw = dict(quantization="gguf", max_model_len=64, kv_cache_memory_bytes=16 << 20, seed=0)
-    new, old = LLM(**kw), LLM(quantization_config={"kernel": "torch"}, **kw)
+    kw = dict(max_model_len=64, kv_cache_memory_bytes=16 << 20, seed=0)
+    new = LLM(quantization="gguf", **kw)
     model = new.llm_engine.worker.model
     assert {getattr(m, "gguf_route", "blocks") for m in model.modules()} == {"blocks"}
-    from minfer.model.sources import find_default_gguf
-
     assert weight_bytes(model) <= 1.1 * find_default_gguf().stat().st_size
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
-    flips = 0
-    for p, a, b in zip(PROMPTS, new.generate(PROMPTS, sp), old.generate(PROMPTS, sp)):
-        flips += assert_same_until_a_near_tie(a.outputs[0], b.outputs[0], p) is not None
-    assert flips <= 1
+    got = [o.outputs[0] for o in new.generate(PROMPTS, sp)]
+    for other in (LLM(**kw), LLM(quantization="gguf", quantization_config={"kernel": "torch"}, **kw)):
+        flips = 0
+        for p, a in zip(PROMPTS, got):
+            b, _ = other.generate_simple(p, sp)
+            b = b.outputs[0]
+            i = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+            if i is not None:
+                best, second = sorted(b.logprobs[i].values(), reverse=True)[:2]
+                assert a.token_ids[i] in b.logprobs[i] and best - second < BLOCKS_NEAR_TIE, (p, i, best - second)
+                flips += 1
+        assert flips <= 1
