@@ -51,8 +51,10 @@ def run(model: str = "smollm2-135m-instruct", new_tokens: int = 64, repeats: int
         torch.set_num_threads(threads)
     llm = LLM(model=model, dtype="float32", device="cpu", max_model_len=1024, kv_cache_memory_bytes=64 << 20)
     ids = llm.tokenizer.encode(prompt)
+    # "gguf:torch" is quantization="gguf" with quantization_config={"kernel": "torch"} (the older route)
     quant = {q: LLM(model=model, dtype="float32", device="cpu", max_model_len=1024, kv_cache_memory_bytes=64 << 20,
-                    quantization=q, quantization_config=quantization_config if q == "int4" else None)
+                    quantization=q.split(":")[0], quantization_config=(
+                        quantization_config if q == "int4" else {"kernel": q.split(":")[1]} if ":" in q else None))
              for q in (quantization or [])}
     path = find_default_gguf() if model == "smollm2-135m-instruct" else None
     hf = None
@@ -178,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's)")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     ap.add_argument("--quantization", default=None, metavar="M[,M]",
-                    help="also time minfer with these weight quantizations: int8, int4, gguf (comma-separated)")
+                    help="also time minfer with these weight quantizations: int8, int4, gguf, gguf:torch (gguf's "
+                         "older route) (comma-separated)")
     ap.add_argument("--quantization-config", default=None, metavar="JSON",
                     help='settings for int4, e.g. \'{"group_size": 64}\'')
     ap.add_argument("--no-llama-cpp", action="store_true", help="with gguf: do not time llama.cpp beside it")

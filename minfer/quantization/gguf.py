@@ -61,7 +61,7 @@ from torch import nn
 from minfer.model.linear_method import LinearMethodBase, UnquantizedLinearMethod
 from minfer.quantization.base import KERNEL_MAX_ROWS, store
 from minfer.quantization.gguf_matmul import (KERNEL_TYPES, dequantize_blocks, gguf_kernel_available, gguf_matmul,
-                                             repack_blocks)
+                                             matmul_unchecked, repack_blocks)
 from minfer.quantization.int4 import Int4LinearMethod
 from minfer.quantization.int8_group import (Int8GroupKernelUnavailable, dequantize_int8_group, int8_group_matmul)
 
@@ -246,6 +246,8 @@ class GGUFLinearMethod(LinearMethodBase):
             for i, name in enumerate(("qs", "d", "m")):
                 store(layer, name, torch.cat([pl[i] for pl in planes]).contiguous() if planes[0][i] is not None else None)
             layer.quantized, layer.gguf_route = True, "blocks"
+            if layer.in_features:  # check the planes once here: apply calls the kernel without checks
+                gguf_matmul(torch.zeros(1, layer.in_features), layer.qs, layer.d, layer.m, layer.ggml_type)
             return
         if types <= set(INT4_TYPES) and not layer.keep_rows:
             decoded = [decode_q4_blocks(p, p.ggml_type) for p in parts]
@@ -274,7 +276,7 @@ class GGUFLinearMethod(LinearMethodBase):
         if layer.gguf_route == "blocks":
             x2 = x.reshape(-1, layer.in_features)
             if x2.device.type == "cpu":
-                y = gguf_matmul(x2, layer.qs, layer.d, layer.m, layer.ggml_type).to(x.dtype)
+                y = matmul_unchecked(x2, layer.qs, layer.d, layer.m, layer.ggml_type).to(x.dtype)
             else:
                 y = F.linear(x2, dequantize_blocks(layer.qs, layer.d, layer.m, layer.ggml_type, x.dtype))
             if layer.bias is not None:

@@ -175,8 +175,17 @@ def gguf_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Ten
                              f"{None if t is None else (t.dtype, tuple(t.shape))}")
     if x.dim() != 2 or x.shape[1] != k or x.device.type != "cpu":
         raise ValueError(f"x must be a CPU tensor [T, {k}], got {tuple(x.shape)} on {x.device}")
+    return matmul_unchecked(x, qs, d, m, ggml_type, isa)
+
+
+def matmul_unchecked(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, ggml_type: str,
+                     isa: str | None = None) -> torch.Tensor:
+    """`gguf_matmul` without its checks, for planes checked once at load (`GGUFLinearMethod`) and x of the
+    layer's width: a decode step makes ~120 of these calls, and the checks cost microseconds each. Raises
+    GGUFKernelUnavailable."""
     lib = _library()
     x = x.to(torch.float32).contiguous()
+    n, k = qs.shape[0], x.shape[1]
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
     if x.shape[0] and n:
         lib.minfer_gguf_matmul(y.data_ptr(), x.data_ptr(), qs.data_ptr(), d.data_ptr(),
