@@ -34,4 +34,4 @@ def get_quantization_method(quantization: str, config: dict | str | None,
         return Int4LinearMethod(group_size=config.get("group_size", DEFAULT_GROUP_SIZE), fallback=fallback)
     from minfer.quantization.gguf import GGUFLinearMethod
 
-    return GGUFLinearMethod(fallback=fallback)
+    return GGUFLinearMethod(fallback=fallback, kernel=config.get("kernel", "blocks"))

@@ -12,7 +12,19 @@ llama.cpp's blocks (ggml-common.h; q are the stored codes):
     Q6_K  256 weights, 210 bytes: ql[128], qh[64], sc[16] int8, d (f16)
           sub-block j of 16:                                          w = (q - 32) (d sc_j) q in 0..63
 
-Two routes, each exact up to a stated rounding:
+Three routes. The default, for Q4_0, Q4_1 and Q8_0 (SmolLM2-135M's file is all Q4_1 with a Q8_0 embedding/head),
+where the C++ kernel builds:
+
+- **blocks** (`minfer.quantization.gguf_matmul`, chapter 5 §5.3): the file's bytes, repacked into planes of the
+  same size, times float32 activations that the kernel quantizes to int8 blocks of 32 per call (llama.cpp's
+  method: integer dot products, one float multiply-add per block). Bytes read per token = the file's. The
+  activation rounding is the one approximation (bounded in `tests/test_gguf_matmul.py`). Every batch size
+  takes the kernel on the CPU (it reads each weight row once per call at any batch, and one code path keeps
+  a row's logits independent of the batch); other devices dequantize + `F.linear`. A tied head in one of these
+  types stays blocks too (the embedding expands only the rows it looks up).
+
+`quantization_config={"kernel": "torch"}` (or a machine without a C++ compiler) takes the two older routes,
+each exact up to a stated rounding, which also run the types the kernel does not (Q4_K, Q5_0, Q6_K):
 
 - **int4 op** (`minfer.quantization.int4`, w = (q - 8) s + z, groups of 32): Q4_0 is s = d, z = 0; Q4_1 is
   s = d, z = m + 8d; Q4_K is s = d sc_j, z = 8 d sc_j - dmin m_j (its 6-bit sub-block scales, decoded from
@@ -48,6 +60,8 @@ from torch import nn
 
 from minfer.model.linear_method import LinearMethodBase, UnquantizedLinearMethod
 from minfer.quantization.base import KERNEL_MAX_ROWS, store
+from minfer.quantization.gguf_matmul import (KERNEL_TYPES, dequantize_blocks, gguf_kernel_available, gguf_matmul,
+                                             matmul_unchecked, repack_blocks)
 from minfer.quantization.int4 import Int4LinearMethod
 from minfer.quantization.int8_group import (Int8GroupKernelUnavailable, dequantize_int8_group, int8_group_matmul)
 
@@ -173,24 +187,30 @@ def gguf_tensor(block, cfg, unpermute) -> torch.Tensor:
 
 
 class GGUFLinearMethod(LinearMethodBase):
-    """The file's blocks through the int4 op or as int8 codes with group scales (module docstring); other
-    layers by `fallback`.
+    """The file's blocks in the C++ kernel, through the int4 op or as int8 codes with group scales (module
+    docstring); other layers by `fallback`.
 
     The `weight` parameter is a meta-device placeholder (no memory) whose loader keeps each checkpoint part
     as given; `process_weights_after_loading` turns parts that all take one route into that route's storage
     (`layer.gguf_route` "int4" or "int8_group"), anything else into a float weight for the fallback.
 
     Args:
+        kernel: "blocks" (default: Q4_0 / Q4_1 / Q8_0 layers in the file's bytes through `gguf_matmul`, where
+            its C++ kernel builds) or "torch" (the int4 op and int8 codes only).
         kernel_max_rows: most rows per call that the int8-group C++ kernel takes; more go through one
             dequantize + `F.linear` (chapter 5 measures the crossover).
     """
 
     name = "gguf"
 
-    def __init__(self, fallback: LinearMethodBase | None = None, kernel_max_rows: int = INT8_GROUP_KERNEL_MAX_ROWS):
+    def __init__(self, fallback: LinearMethodBase | None = None, kernel_max_rows: int = INT8_GROUP_KERNEL_MAX_ROWS,
+                 kernel: str = "blocks"):
+        if kernel not in ("blocks", "torch"):
+            raise ValueError(f"gguf kernel must be 'blocks' or 'torch', got {kernel!r}")
         self.fallback = fallback or UnquantizedLinearMethod()
         self.int4 = Int4LinearMethod(group_size=BLOCK, fallback=self.fallback)
         self.kernel_max_rows = kernel_max_rows
+        self.kernel = kernel
 
     def create_weights(self, layer, in_features: int, output_sizes: list[int], bias: bool) -> None:
         out = sum(output_sizes)
@@ -218,6 +238,17 @@ class GGUFLinearMethod(LinearMethodBase):
         parts = [layer.gguf_parts[i] for i in range(len(layer.output_sizes))]
         layer.gguf_parts = {}
         types = {getattr(p, "ggml_type", "float") for p in parts}
+        if len(types) == 1 and types <= set(KERNEL_TYPES) and self.kernel == "blocks" and gguf_kernel_available():
+            planes = [repack_blocks(p, p.ggml_type) for p in parts]
+            layer.ggml_type = types.pop()
+            layer.model_dtype = layer.weight.dtype  # the model's dtype (the placeholder was built in it)
+            del layer.weight
+            for i, name in enumerate(("qs", "d", "m")):
+                store(layer, name, torch.cat([pl[i] for pl in planes]).contiguous() if planes[0][i] is not None else None)
+            layer.quantized, layer.gguf_route = True, "blocks"
+            if layer.in_features:  # check the planes once here: apply calls the kernel without checks
+                gguf_matmul(torch.zeros(1, layer.in_features), layer.qs, layer.d, layer.m, layer.ggml_type)
+            return
         if types <= set(INT4_TYPES) and not layer.keep_rows:
             decoded = [decode_q4_blocks(p, p.ggml_type) for p in parts]
             codes, s, z = (torch.cat(t, dim=0) for t in zip(*decoded))
@@ -242,6 +273,15 @@ class GGUFLinearMethod(LinearMethodBase):
         self.fallback.process_weights_after_loading(layer)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        if layer.gguf_route == "blocks":
+            x2 = x.reshape(-1, layer.in_features)
+            if x2.device.type == "cpu":
+                y = matmul_unchecked(x2, layer.qs, layer.d, layer.m, layer.ggml_type).to(x.dtype)
+            else:
+                y = F.linear(x2, dequantize_blocks(layer.qs, layer.d, layer.m, layer.ggml_type, x.dtype))
+            if layer.bias is not None:
+                y = y + layer.bias
+            return y.view(*x.shape[:-1], layer.out_features)
         if layer.gguf_route != "int8_group":
             return (self.int4 if layer.quantized else self.fallback).apply(layer, x)
         x2 = x.reshape(-1, layer.in_features)
@@ -260,6 +300,9 @@ class GGUFLinearMethod(LinearMethodBase):
         return y.view(*x.shape[:-1], layer.out_features)
 
     def weight_rows(self, layer, ids: torch.Tensor) -> torch.Tensor:
+        if layer.gguf_route == "blocks":  # only the rows asked for are expanded
+            m = layer.m[ids] if layer.m is not None else None
+            return dequantize_blocks(layer.qs[ids], layer.d[ids], m, layer.ggml_type, layer.model_dtype)
         if layer.gguf_route == "int8_group":  # only the rows asked for are expanded
             return dequantize_int8_group(layer.qweight[ids], layer.scales[ids]).to(layer.model_dtype)
         return (self.int4 if layer.quantized else self.fallback).weight_rows(layer, ids)
