@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=20)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--only", default=None, help="comma-separated subset of configuration names")
-    p.add_argument("--kv-cache-dtypes", default="int8,fp8_e4m3", help="KV dtypes to try (skipped if not built)")
+    p.add_argument("--kv-cache-dtypes", default="int8,fp8_e4m3,fp8_e5m2", help="KV dtypes to try (skipped if not built)")
     p.add_argument("--reference-greedy-only", action="store_true",
                    help="float32 gives only the greedy reference (no perplexity): for a second process that "
                    "measures other configurations against the same reference, merged afterwards")
@@ -45,6 +45,7 @@ def main(argv=None) -> int:
     p.add_argument("--skip-float32", action="store_true", help="no float32 row (merged from another run)")
     p.add_argument("--reuse-calibration", action="store_true",
                    help="load an AWQ/GPTQ directory already in --workdir instead of calibrating again")
+    p.add_argument("--gptq-desc-act", action="store_true", help="GPTQ with act-order (desc_act)")
     p.add_argument("--workdir", default="/tmp/minfer-quant-quality")
     p.add_argument("--json", default="assets/benchmarks/quant_quality_cpu.json")
     args = p.parse_args(argv)
@@ -66,11 +67,15 @@ def main(argv=None) -> int:
                ("gguf (Q4_1 blocks)", {"quantization": "gguf"}), ("bfloat16", {"dtype": "bfloat16"})]
     for kv in filter(None, args.kv_cache_dtypes.split(",")):
         configs.append((f"KV {kv}", {"kv_cache_dtype": kv}))
-        configs.append((f"int4 g{G} + bf16 activations + KV {kv}",
-                        {"quantization": "int4", "quantization_config": {"group_size": G}, "kv_cache_dtype": kv}))
-    if args.only:
-        keep = set(args.only.split(","))
-        configs = [c for c in configs if c[0] in keep or (c[0] == "float32" and not args.skip_float32)]
+    # the article's mixed recipe: 4-bit weights, bfloat16 activations (the whole model runs in bfloat16),
+    # an INT8 KV cache
+    configs.append((f"int4 g{G} + bf16 activations + KV int8",
+                    {"quantization": "int4", "quantization_config": {"group_size": G}, "dtype": "bfloat16",
+                     "kv_cache_dtype": "int8"}))
+    if args.only:  # in the order given (float32 first: the reference)
+        keep = args.only.split(",")
+        configs = sorted((c for c in configs if c[0] in keep or (c[0] == "float32" and not args.skip_float32)),
+                         key=lambda c: -1 if c[0] == "float32" else keep.index(c[0]))
 
     result = {"model": args.model, "text": "minfer/data/eval_python_docs.txt", "window": args.window,
               "max_tokens": args.max_tokens, "group_size": G, "calibration_samples": args.samples,
@@ -87,6 +92,9 @@ def main(argv=None) -> int:
             out = work / f"{method}-g{G}"
             t = time.perf_counter()
             extra = {"n_grid": args.n_grid, "max_rows": args.max_rows} if method == "awq" else {}
+            if method == "gptq":
+                extra = {"desc_act": args.gptq_desc_act}
+                row["desc_act"] = args.gptq_desc_act
             if args.reuse_calibration and (out / "config.json").is_file():
                 summary = None
             else:
@@ -112,6 +120,7 @@ def main(argv=None) -> int:
                                                   "eval_python_docs.txt").read(), add_special_tokens=False)
             rest = ids[args.max_tokens:]
             prompts = [{"prompt_token_ids": rest[i * 96:i * 96 + 32]} for i in range(args.prompts)]
+            result["text_tokens"] = len(ids)
         if not (args.reference_greedy_only and reference is None):
             res = perplexity(llm, window=args.window, max_tokens=args.max_tokens)
             row.update(ppl=res.ppl, nll=res.nll, num_tokens=res.num_tokens, ppl_seconds=time.perf_counter() - t)
@@ -122,6 +131,7 @@ def main(argv=None) -> int:
                 result["reference_tokens"] = toks
             row["greedy_agreement"] = greedy_agreement(toks, reference)
         row["weight_bytes"] = weight_bytes(llm.llm_engine.worker.model)
+        row["loadavg"] = os.getloadavg()
         result["rows"].append(row)
         print(f"{name:40s} ppl {row.get('ppl', float('nan')):8.3f}  agree {row.get('greedy_agreement')}", flush=True)
         del llm
