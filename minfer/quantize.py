@@ -4,7 +4,8 @@
     python -m minfer.quantize --model M --method gptq|int4|int8 [--group-size G] --out DIR
 
 - awq   AWQ (minfer.quantization.awq), saved in AutoAWQ's "gemm" layout, `quant_method: "awq"`
-- gptq  GPTQ (minfer.quantization.gptq), saved in AutoGPTQ's v1 layout, `quant_method: "gptq"`
+- gptq  GPTQ (minfer.quantization.gptq), saved in AutoGPTQ's v1 layout, `quant_method: "gptq"`; with
+        `--desc-act`, act-order (`"desc_act": true` and AutoGPTQ's `g_idx`)
 - int4  round to nearest (no calibration), saved in the GPTQ layout (RTN is GPTQ without its error feedback)
 - int8  per-channel symmetric INT8 (minfer.quantization.int8), saved as 8-bit GPTQ, group_size -1, sym
 

@@ -78,17 +78,25 @@ def test_awq_layout_matches_its_spec():
     assert torch.equal(q2, q) and torch.equal(zp2, zp) and torch.equal(s2, s)
 
 
+@pytest.mark.parametrize("desc_act", [False, True])
 @pytest.mark.parametrize("G", [32, 64])
-def test_gptq_beats_rtn_on_held_back_rows(G):
+def test_gptq_beats_rtn_on_held_back_rows(G, desc_act):
     torch.manual_seed(0)
     w = torch.randn(96, 256) * 0.05
     x = _correlated_inputs(4096, 256, seed=1)
     train, held = x[:2048], x[2048:]
-    q, s, zp = gptq_quantize(w, hessian(train), G)
-    gptq = _err(held, formats.dequantize_affine(q, s, zp), w)
+    q, s, zp, g_idx = gptq_quantize(w, hessian(train), G, desc_act=desc_act, return_g_idx=True)
+    gi = g_idx.long()
+    gptq = _err(held, (q.float() - zp[:, gi].float()) * s[:, gi], w)
     rtn = _err(held, _rtn(w, G, zp_min=1), w)
     assert gptq < 0.9 * rtn, (gptq, rtn)
     assert int(zp.min()) >= 1 and int(q.max()) <= 15
+    if not desc_act:
+        assert torch.equal(gi, torch.arange(256) // G)
+    else:  # G columns per group; group 0 holds the G inputs with the largest H_jj
+        assert torch.equal(torch.bincount(gi), torch.full((256 // G,), G))
+        top = torch.argsort(torch.diag(hessian(train)), descending=True)[:G]
+        assert bool((gi[top] == 0).all())
 
 
 def test_gptq_with_identity_hessian_is_rtn():
