@@ -48,7 +48,13 @@ def main(argv=None) -> int:
     p.add_argument("--gptq-desc-act", action="store_true", help="GPTQ with act-order (desc_act)")
     p.add_argument("--workdir", default="/tmp/minfer-quant-quality")
     p.add_argument("--json", default="assets/benchmarks/quant_quality_cpu.json")
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="no measuring: merge these runs' JSON into --json (rows of the first run first; a later "
+                   "run's rows that the first lacks are appended, its greedy agreement kept only if its "
+                   "float32 reference tokens are the first run's)")
     args = p.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.group_size, args.json)
 
     import torch
 
@@ -142,7 +148,33 @@ def main(argv=None) -> int:
     return 0
 
 
-def _finish(result: dict, G: int, path: str) -> None:
+def merge(paths: list[str], G: int, out: str) -> int:
+    """`--merge`: one JSON from several runs of this script (each measured its rows against its own float32;
+    the float32 greedy tokens are deterministic, and merging checks they are equal)."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    result = dict(runs[0], merged_from=[str(p) for p in paths], runs=[])
+    names = {r["name"] for r in result["rows"]}
+    for path, run in zip(paths, runs):
+        same_ref = run.get("reference_tokens") == result.get("reference_tokens")
+        result["runs"].append({"json": str(path), "loadavg_start": run.get("loadavg_start"),
+                               "loadavg_end": run.get("loadavg_end"), "same_float32_greedy_tokens": same_ref,
+                               "calibration_samples": run.get("calibration_samples")})
+        for row in run["rows"]:
+            if row["name"] in names:
+                continue
+            row = dict(row, run=str(path))
+            if not same_ref:
+                row.pop("greedy_agreement", None)
+            result["rows"].append(row)
+            names.add(row["name"])
+        for m, c in run.get("calibration", {}).items():
+            result["calibration"].setdefault(m, c)
+    _finish(result, G, out, keep_loadavg=True)
+    print("wrote", out)
+    return 0
+
+
+def _finish(result: dict, G: int, path: str, keep_loadavg: bool = False) -> None:
     """Ratios against float32 and AWQ's/GPTQ's share of RTN's increase recovered; write the JSON."""
     base = result["rows"][0].get("ppl") if result["rows"] and result["rows"][0]["name"] == "float32" else None
     if base is None:  # a --reference-greedy-only run: ratios are computed after merging
@@ -157,7 +189,8 @@ def _finish(result: dict, G: int, path: str) -> None:
         r = by.get(f"{m} g{G}")
         if rtn and r and "ppl" in r and rtn["ppl"] > base:
             r["recovered_of_rtn_increase"] = (rtn["ppl"] - r["ppl"]) / (rtn["ppl"] - base)
-    result["loadavg_end"] = os.getloadavg()
+    if not keep_loadavg:
+        result["loadavg_end"] = os.getloadavg()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(result, indent=1))
 
