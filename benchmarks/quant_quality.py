@@ -45,6 +45,7 @@ def main(argv=None) -> int:
     p.add_argument("--skip-float32", action="store_true", help="no float32 row (merged from another run)")
     p.add_argument("--reuse-calibration", action="store_true",
                    help="load an AWQ/GPTQ directory already in --workdir instead of calibrating again")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (1 is faster on a busy machine)")
     p.add_argument("--gptq-desc-act", action="store_true", help="GPTQ with act-order (desc_act)")
     p.add_argument("--workdir", default="/tmp/minfer-quant-quality")
     p.add_argument("--json", default="assets/benchmarks/quant_quality_cpu.json")
@@ -64,7 +65,7 @@ def main(argv=None) -> int:
     from minfer.eval import greedy_agreement, greedy_tokens, perplexity
     from minfer.quantize import quantize_model
 
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    torch.set_num_threads(min(args.threads, os.cpu_count() or 1))
     G = args.group_size
     work = Path(args.workdir)
     configs = [("float32", {}), (f"int4 g{G} RTN", {"quantization": "int4", "quantization_config": {"group_size": G}}),

@@ -136,6 +136,10 @@ class PrequantizedLinearMethod(GGUFLinearMethod):
             if any(q is None or not torch.equal(q, perms[0]) for q in perms):
                 raise ValueError("the parts of a merged linear (q|k|v or gate|up) have different act-order "
                                  "g_idx: minfer needs one input order per merged linear")
+            codes = torch.cat(parts)
+            if perms[0].numel() != codes.shape[1]:  # e.g. a row-parallel shard of the inputs
+                raise ValueError(f"an act-order linear's g_idx covers {perms[0].numel()} inputs, its codes "
+                                 f"{codes.shape[1]}: act-order checkpoints load only unsharded")
             layer.register_buffer("input_perm", perms[0])
         codes = torch.cat(parts)
         if kind == "int4":
