@@ -4,7 +4,8 @@
     python -m minfer.quantize --model M --method gptq|int4|int8 [--group-size G] --out DIR
 
 - awq   AWQ (minfer.quantization.awq), saved in AutoAWQ's "gemm" layout, `quant_method: "awq"`
-- gptq  GPTQ (minfer.quantization.gptq), saved in AutoGPTQ's v1 layout, `quant_method: "gptq"`
+- gptq  GPTQ (minfer.quantization.gptq), saved in AutoGPTQ's v1 layout, `quant_method: "gptq"`; with
+        `--desc-act`, act-order (`"desc_act": true` and AutoGPTQ's `g_idx`)
 - int4  round to nearest (no calibration), saved in the GPTQ layout (RTN is GPTQ without its error feedback)
 - int8  per-channel symmetric INT8 (minfer.quantization.int8), saved as 8-bit GPTQ, group_size -1, sym
 
@@ -79,7 +80,7 @@ def quantization_config(qw: QuantizedWeights) -> dict:
     if qw.method == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": qw.group_size, "zero_point": True,
                 "version": "gemm"}
-    return {"quant_method": "gptq", "bits": qw.bits, "group_size": qw.group_size, "desc_act": False,
+    return {"quant_method": "gptq", "bits": qw.bits, "group_size": qw.group_size, "desc_act": bool(qw.g_idx),
             "sym": qw.bits == 8, "checkpoint_format": "gptq", "minfer_method": qw.method}
 
 
@@ -90,7 +91,8 @@ def save_quantized(qw: QuantizedWeights, config: dict, tokenizer, out: Path) -> 
     out.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.float().contiguous() for name, t in qw.float_state.items()}
     for name, (q, s, zp) in qw.linears.items():
-        packed = formats.pack_awq(q, s, zp) if qw.method == "awq" else formats.pack_gptq(q, s, zp, qw.bits)
+        packed = (formats.pack_awq(q, s, zp) if qw.method == "awq"
+                  else formats.pack_gptq(q, s, zp, qw.bits, qw.g_idx.get(name)))
         tensors.update({f"{name}.{k}": v for k, v in packed.items()})
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = dict(config, quantization_config=quantization_config(qw), torch_dtype="float32")
@@ -211,10 +213,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --out")
     p.add_argument("--samples", type=_positive_int, default=32, help="calibration windows (awq, gptq)")
     p.add_argument("--seq-len", type=_positive_int, default=256, help="tokens per calibration window")
+    p.add_argument("--desc-act", action="store_true", help="gptq: act-order (columns by decreasing Hessian "
+                   "diagonal; saved with AutoGPTQ's g_idx)")
     args = p.parse_args(argv)
+    if args.desc_act and args.method != "gptq":
+        p.error("--desc-act is for --method gptq")
     try:
+        extra = {"desc_act": True} if args.desc_act else {}
         summary = quantize_model(args.model, args.method, args.group_size, args.out, args.samples, args.seq_len,
-                                 overwrite=args.overwrite)
+                                 overwrite=args.overwrite, **extra)
     except ValueError as e:
         p.print_usage(sys.stderr)  # argparse's form, and its exit status 2
         print(f"{p.prog}: error: {e}", file=sys.stderr)

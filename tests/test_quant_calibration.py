@@ -50,10 +50,14 @@ def test_gptq_layout_round_trips(bits):
     t = formats.pack_gptq(q, s, zp, bits)
     assert t["qweight"].shape == (128 * bits // 32, 48) and t["qweight"].dtype == torch.int32
     assert t["qzeros"].shape == (128 // G, 48 * bits // 32) and t["scales"].dtype == torch.float16
-    q2, s2, zp2 = formats.unpack_gptq(t, bits)
-    assert torch.equal(q2, q) and torch.equal(zp2, zp) and torch.equal(s2, s)
-    with pytest.raises(ValueError, match="act-order"):
-        formats.unpack_gptq(dict(t, g_idx=t["g_idx"].flip(0)), bits)
+    q2, s2, zp2, perm = formats.unpack_gptq(t, bits)
+    assert torch.equal(q2, q) and torch.equal(zp2, zp) and torch.equal(s2, s) and perm is None
+    # act-order: g_idx names each column's group; unpacking sorts the columns into contiguous groups
+    g_idx = t["g_idx"].flip(0)
+    q3, _, _, perm = formats.unpack_gptq(dict(t, g_idx=g_idx), bits)
+    assert torch.equal(g_idx[perm].long(), torch.arange(128) // G) and torch.equal(q3, q[:, perm])
+    with pytest.raises(ValueError, match="groups of equal size"):
+        formats.unpack_gptq(dict(t, g_idx=torch.zeros(128, dtype=torch.int32)), bits)
     with pytest.raises(ValueError, match="zp - 1"):
         formats.pack_gptq(q, s, zp * 0, bits)
 
@@ -74,17 +78,25 @@ def test_awq_layout_matches_its_spec():
     assert torch.equal(q2, q) and torch.equal(zp2, zp) and torch.equal(s2, s)
 
 
+@pytest.mark.parametrize("desc_act", [False, True])
 @pytest.mark.parametrize("G", [32, 64])
-def test_gptq_beats_rtn_on_held_back_rows(G):
+def test_gptq_beats_rtn_on_held_back_rows(G, desc_act):
     torch.manual_seed(0)
     w = torch.randn(96, 256) * 0.05
     x = _correlated_inputs(4096, 256, seed=1)
     train, held = x[:2048], x[2048:]
-    q, s, zp = gptq_quantize(w, hessian(train), G)
-    gptq = _err(held, formats.dequantize_affine(q, s, zp), w)
+    q, s, zp, g_idx = gptq_quantize(w, hessian(train), G, desc_act=desc_act, return_g_idx=True)
+    gi = g_idx.long()
+    gptq = _err(held, (q.float() - zp[:, gi].float()) * s[:, gi], w)
     rtn = _err(held, _rtn(w, G, zp_min=1), w)
     assert gptq < 0.9 * rtn, (gptq, rtn)
     assert int(zp.min()) >= 1 and int(q.max()) <= 15
+    if not desc_act:
+        assert torch.equal(gi, torch.arange(256) // G)
+    else:  # G columns per group; group 0 holds the G inputs with the largest H_jj
+        assert torch.equal(torch.bincount(gi), torch.full((256 // G,), G))
+        top = torch.argsort(torch.diag(hessian(train)), descending=True)[:G]
+        assert bool((gi[top] == 0).all())
 
 
 def test_gptq_with_identity_hessian_is_rtn():
@@ -169,7 +181,7 @@ def test_awq_folds_leave_the_float_model_unchanged(tiny):
     assert float((after - before).abs().max()) <= 1e-4 * float(before.abs().max())
 
 
-@pytest.mark.parametrize("method", ["awq", "gptq", "int4", "int8"])
+@pytest.mark.parametrize("method", ["awq", "gptq", "gptq-act", "int4", "int8"])
 def test_saved_directory_round_trips(tiny, tmp_path, method, monkeypatch):
     from minfer import LLM
     from minfer.model.linear_method import UnquantizedLinearMethod
@@ -186,10 +198,12 @@ def test_saved_directory_round_trips(tiny, tmp_path, method, monkeypatch):
         return captured["qw"]
 
     monkeypatch.setattr("minfer.quantize.calibrate", spy)
-    summary = quantize_model(tiny, method, 32, tmp_path / method, n_samples=8, seq_len=64, use_tqdm=False,
-                             calib_text=_text(4000))
+    act = method == "gptq-act"
+    summary = quantize_model(tiny, "gptq" if act else method, 32, tmp_path / method, n_samples=8, seq_len=64,
+                             use_tqdm=False, calib_text=_text(4000), **({"desc_act": True} if act else {}))
     cfgj = json.loads((tmp_path / method / "config.json").read_text())
     assert cfgj["quantization_config"]["quant_method"] == ("awq" if method == "awq" else "gptq")
+    assert cfgj["quantization_config"].get("desc_act", False) is act
     if method == "awq":
         assert len(summary["awq_losses"]) == 2 and len(summary["awq_losses"][0]["qkv"]) == 20
 
@@ -212,12 +226,16 @@ def test_saved_directory_round_trips(tiny, tmp_path, method, monkeypatch):
             yield name, t
         for name, (q, s, zp) in qw.linears.items():
             s = s.half().float()  # what the file keeps
+            perm = None
+            if name in qw.g_idx:  # act-order: the columns sorted by group (its own argsort, not unpack_gptq's)
+                perm = torch.argsort(qw.g_idx[name].long(), stable=True)
+                q = q[:, perm]
             if qw.bits == 8:
                 codes, scale = formats.to_minfer_int8(q, s, zp)
-                codes.prequant = ("int8", scale, None)
+                codes.prequant = ("int8", scale, None, None)
             else:
                 codes, sc, z = formats.to_minfer_int4(q, s, zp)
-                codes.prequant = ("int4", sc, z)
+                codes.prequant = ("int4", sc, z, perm)
             yield f"{name}.weight", codes
 
     monkeypatch.setattr("minfer.model.loader.unpack_checkpoint", lambda named, qcfg, source: tensors())
@@ -228,6 +246,17 @@ def test_saved_directory_round_trips(tiny, tmp_path, method, monkeypatch):
     # and the quantized model is close to the float one (a sanity bound, not the round trip)
     ref = _logits(load_model(tiny, dtype="float32", linear_method=UnquantizedLinearMethod()).model, ids)
     assert float((loaded - ref).abs().max()) < 0.5 * float(ref.abs().max())
+    if act:
+        # the g_idx is really act-order, and the loaded model reads its inputs in that order: without the
+        # gather it would compute something else
+        gi = qw.g_idx["model.layers.0.mlp.down_proj"].long()
+        assert not torch.equal(gi, torch.arange(gi.numel()) // 32)
+        assert all(getattr(m, "input_perm", None) is not None for m in model.model.layers[0].modules()
+                   if getattr(m, "quantized", False))
+        for m in model.modules():
+            if getattr(m, "input_perm", None) is not None:
+                m.input_perm = torch.arange(m.input_perm.numel())
+        assert float((_logits(model, ids) - loaded).abs().max()) > 10 * float((loaded - ref).abs().max())
 
 
 def test_saved_directory_errors(tiny, tmp_path):
@@ -252,7 +281,7 @@ def test_saved_directory_errors(tiny, tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     for bad, match in (({"quant_method": "fp8"}, "not one minfer reads"),
                        ({"quant_method": "gptq", "bits": 3, "group_size": 32}, "bits=3"),
-                       ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True}, "desc_act"),
+                       ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": "yes"}, "desc_act"),
                        ({"quant_method": "awq", "bits": 4, "group_size": 48}, "group_size=48")):
         (d / "config.json").write_text(json.dumps(dict(cfg, quantization_config=bad)))
         with pytest.raises(ValueError, match=match):

@@ -37,7 +37,8 @@ PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_at
 class QuantizedWeights:
     """What calibration produced: per checkpoint linear (HF name without `.weight`) its (codes int32
     [out, in], scale float32 [out, in/G], zp int32 [out, in/G]), w = (q - zp) s; `float_state` the tensors
-    kept in float (HF names); `awq_losses[layer][group]` the loss per alpha of AWQ's grid search."""
+    kept in float (HF names); `awq_losses[layer][group]` the loss per alpha of AWQ's grid search; `g_idx`
+    per linear its act-order groups int32 [in] (GPTQ with desc_act only; empty otherwise)."""
 
     method: str
     group_size: int
@@ -45,6 +46,7 @@ class QuantizedWeights:
     linears: dict = field(default_factory=dict)
     float_state: dict = field(default_factory=dict)
     awq_losses: list = field(default_factory=list)
+    g_idx: dict = field(default_factory=dict)
 
 
 def load_for_calibration(model: str):
@@ -90,14 +92,14 @@ def _rtn(w: torch.Tensor, group_size: int, bits: int, zp_min: int):
 @torch.no_grad()
 def calibrate(model, samples: list[list[int]], method: str, group_size: int, bits: int = 4,
               n_grid: int = 20, max_rows: int = 512, zp_min: int | None = None,
-              use_tqdm: bool = True) -> QuantizedWeights:
+              use_tqdm: bool = True, desc_act: bool = False) -> QuantizedWeights:
     """Quantize every decoder linear of `model` (module docstring) with `method` ("int4" = RTN, "gptq",
     "awq") at `group_size`, calibrated on `samples` (token-id lists of one length).
 
     Args:
         n_grid: AWQ's grid points (scale exponent and clipping). max_rows: calibration rows AWQ's searches
             use (a fixed random subset of all sample tokens). zp_min: smallest zero point (default 1 for
-            GPTQ's v1 format, 0 otherwise).
+            GPTQ's v1 format, 0 otherwise). desc_act: GPTQ's act-order (`gptq_quantize`).
 
     Raises:
         ValueError: an unknown method, a model that is not Llama-family in the "nn" layout, a group size
@@ -105,6 +107,8 @@ def calibrate(model, samples: list[list[int]], method: str, group_size: int, bit
     """
     if method not in METHODS:
         raise ValueError(f"unknown calibration method {method!r}: one of {METHODS}")
+    if desc_act and method != "gptq":
+        raise ValueError(f"desc_act (act-order) is GPTQ's; method {method!r} has no column order")
     _check_model(model)
     zp_min = (1 if method in ("gptq", "int4") else 0) if zp_min is None else zp_min
     cfg = model.config
@@ -142,15 +146,22 @@ def calibrate(model, samples: list[list[int]], method: str, group_size: int, bit
                                                 n_grid))
         for name, lin in linears.items():
             w = lin.weight.data.float()
+            g_idx = None
             if method == "gptq":
-                q, s, zp = gptq_quantize(w, hessian(xs[name]), group_size, bits, zp_min=zp_min)
+                q, s, zp, g_idx = gptq_quantize(w, hessian(xs[name]), group_size, bits, zp_min=zp_min,
+                                                desc_act=desc_act, return_g_idx=True)
+                gi = g_idx.long()
+                w_hat = (q.float() - zp[:, gi].float()) * s[:, gi]
             else:
                 q, s, zp = _rtn(w, group_size, bits, zp_min)
-            lin.weight.data.copy_(dequantize_affine(q, s, zp))  # what the next layer's inputs see
+                w_hat = dequantize_affine(q, s, zp)
+            lin.weight.data.copy_(w_hat)  # what the next layer's inputs see
             row = 0
             for part, size in zip(PARTS[name], lin.output_sizes):
-                result.linears[f"model.layers.{li}.{part}"] = (q[row:row + size], s[row:row + size],
-                                                               zp[row:row + size])
+                key = f"model.layers.{li}.{part}"
+                result.linears[key] = (q[row:row + size], s[row:row + size], zp[row:row + size])
+                if desc_act:
+                    result.g_idx[key] = g_idx
                 row += size
         del xs
         states = [layer(x, res, rotary, cos_sin, ctx) for x, res in states]

@@ -34,7 +34,7 @@ def read_quantization_config(path: Path) -> dict | None:
     Raises:
         ValueError: a quant_method minfer does not read, or settings it cannot run (names the key): bits other
             than 4 (AWQ) or 4/8 (GPTQ), a group size the int4 op lacks, AWQ without zero points or not "gemm",
-            GPTQ with act-order (desc_act).
+            a GPTQ desc_act that is not a bool.
     """
     from minfer.model.loader import read_json
 
@@ -57,8 +57,8 @@ def read_quantization_config(path: Path) -> dict | None:
     else:
         if bits not in (4, 8):
             raise ValueError(f"{where}: GPTQ bits={bits!r}; minfer reads 4 or 8")
-        if cfg.get("desc_act", False):
-            raise ValueError(f"{where}: desc_act=true (act-order) is not supported; minfer reads sequential groups")
+        if not isinstance(cfg.get("desc_act", False), bool):
+            raise ValueError(f"{where}: desc_act={cfg.get('desc_act')!r} must be true or false")
     if bits == 4 and group not in INT4_GROUP_SIZES:
         raise ValueError(f"{where}: group_size={group!r}; the int4 op takes {INT4_GROUP_SIZES}")
     if bits == 8 and group != -1:
@@ -69,8 +69,9 @@ def read_quantization_config(path: Path) -> dict | None:
 def unpack_checkpoint(named: Iterable[tuple[str, torch.Tensor]], qcfg: dict, source: str
                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of a saved checkpoint -> the same, with each linear's packed tensors replaced by one
-    `<linear>.weight` codes tensor tagged `prequant = (kind, scale, zero)` (int4: s, z bf16 `[out, in/G]`;
-    int8: None, scale bf16 `[out]`; the codes then int8).
+    `<linear>.weight` codes tensor tagged `prequant = (kind, scale, zero, perm)` (int4: s, z bf16 `[out, in/G]`;
+    int8: None, scale bf16 `[out]`; the codes then int8; perm: None, or for an act-order GPTQ checkpoint the
+    input order int64 `[in]` the codes' columns are in, `formats.unpack_gptq`).
 
     Raises:
         ValueError: a linear with some of qweight/qzeros/scales but not all (names the missing ones).
@@ -88,15 +89,15 @@ def unpack_checkpoint(named: Iterable[tuple[str, torch.Tensor]], qcfg: dict, sou
             raise ValueError(f"{source}: {prefix} has {sorted(t)} but lacks {missing}: the quantized checkpoint "
                              "is incomplete")
         if qcfg["quant_method"] == "awq":
-            q, s, zp = formats.unpack_awq(t)
+            q, s, zp, perm = (*formats.unpack_awq(t), None)
         else:
-            q, s, zp = formats.unpack_gptq(t, qcfg["bits"])
+            q, s, zp, perm = formats.unpack_gptq(t, qcfg["bits"])
         if qcfg["bits"] == 8:
             codes, scale = formats.to_minfer_int8(q, s, zp)
-            codes.prequant = ("int8", scale, None)
+            codes.prequant = ("int8", scale, None, perm)
         else:
             codes, scale, zero = formats.to_minfer_int4(q, s, zp)
-            codes.prequant = ("int4", scale, zero)
+            codes.prequant = ("int4", scale, zero, perm)
         yield f"{prefix}.weight", codes
 
 
@@ -105,6 +106,8 @@ class PrequantizedLinearMethod(GGUFLinearMethod):
 
     The checkpoint parts arrive as in `GGUFLinearMethod` (a meta placeholder collects them); a layer whose
     parts are all tagged `prequant` of one kind is stored quantized, an all-float one goes to the fallback.
+    An act-order GPTQ layer keeps its codes' input order as the buffer `input_perm` int64 `[in]`, and `apply`
+    reads `x[..., input_perm]` (one gather of the activations; the int4 op sees contiguous groups).
     """
 
     name = "prequantized"
@@ -128,6 +131,16 @@ class PrequantizedLinearMethod(GGUFLinearMethod):
             layer.prequant = None
             return
         del layer.weight
+        perms = [p.prequant[3] for p in parts]
+        if any(q is not None for q in perms):
+            if any(q is None or not torch.equal(q, perms[0]) for q in perms):
+                raise ValueError("the parts of a merged linear (q|k|v or gate|up) have different act-order "
+                                 "g_idx: minfer needs one input order per merged linear")
+            codes = torch.cat(parts)
+            if perms[0].numel() != codes.shape[1]:  # e.g. a row-parallel shard of the inputs
+                raise ValueError(f"an act-order linear's g_idx covers {perms[0].numel()} inputs, its codes "
+                                 f"{codes.shape[1]}: act-order checkpoints load only unsharded")
+            layer.register_buffer("input_perm", perms[0])
         codes = torch.cat(parts)
         if kind == "int4":
             s = torch.cat([p.prequant[1] for p in parts])
@@ -143,6 +156,9 @@ class PrequantizedLinearMethod(GGUFLinearMethod):
         return {"int4": self.int4, "int8": self.int8}.get(layer.prequant, self.fallback)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        perm = getattr(layer, "input_perm", None)
+        if perm is not None:
+            x = x.index_select(-1, perm)
         return self._method(layer).apply(layer, x)
 
     def weight_rows(self, layer, ids: torch.Tensor) -> torch.Tensor:

@@ -14,11 +14,12 @@ and pack 32 / bits codes into each int32, lowest bits first:
     GPTQ (v1)      qweight int32 [in*bits/32, out]  32/bits *inputs* per int32, in order
                    qzeros  int32 [in/G, out*bits/32] outputs in order; zp - 1 (v1's offset: readers add 1)
                    scales  float16 [in/G, out]
-                   g_idx   int32 [in] = i // G  (no act-order: minfer writes and reads only this)
+                   g_idx   int32 [in]: column i's group; i // G, or with act-order (desc_act) the group
+                           of its place in the quantization order (`minfer.quantization.gptq`)
 
 `quantization_config` (config.json): AWQ `{"quant_method": "awq", "bits": 4, "group_size": G,
 "zero_point": true, "version": "gemm"}`; GPTQ `{"quant_method": "gptq", "bits": 4|8, "group_size": G | -1,
-"desc_act": false, "sym": false|true}`. minfer converts what it reads into its own int4 op's
+"desc_act": false|true, "sym": false|true}`. minfer converts what it reads into its own int4 op's
 w = (q - 8) s + z (z = (8 - zp) s, rounded to bfloat16) or, for 8-bit GPTQ with one group per row and zp =
 128, into its int8 storage (q - 128, s): `to_minfer_int4`, `to_minfer_int8`.
 
@@ -95,33 +96,48 @@ def unpack_awq(t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, 
     return q, t["scales"].float().t().contiguous(), zp
 
 
-def pack_gptq(q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, bits: int = 4) -> dict[str, torch.Tensor]:
-    """minfer's (codes, scale, zp) -> GPTQ v1 tensors (module docstring). Raises ValueError for zp < 1."""
+def pack_gptq(q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, bits: int = 4,
+              g_idx: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """minfer's (codes, scale, zp) -> GPTQ v1 tensors (module docstring); `g_idx` int32 [in] for act-order
+    codes (default i // G). Raises ValueError for zp < 1."""
     if int(zp.min()) < 1:
         raise ValueError("GPTQ v1 stores zp - 1: every zero point must be >= 1 (affine_params(zp_min=1))")
     k, g = q.shape[1], scale.shape[1]
     return {"qweight": _pack_last(q.contiguous(), bits).t().contiguous(),
             "qzeros": _pack_last((zp - 1).t().contiguous(), bits),
             "scales": scale.t().contiguous().half(),
-            "g_idx": (torch.arange(k) // (k // g)).to(torch.int32)}
+            "g_idx": (torch.arange(k) // (k // g) if g_idx is None else g_idx).to(torch.int32).clone()}
 
 
-def unpack_gptq(t: dict[str, torch.Tensor], bits: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GPTQ v1 tensors -> (codes int32 [out, in], scale float32 [out, in/G], zp int32 [out, in/G]).
+def unpack_gptq(t: dict[str, torch.Tensor], bits: int = 4
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """GPTQ v1 tensors -> (codes int32 [out, in], scale float32 [out, in/G], zp int32 [out, in/G], perm).
+
+    With sequential groups (g_idx = i // G, or no g_idx) perm is None and column i is in group i // G. With
+    act-order groups, perm int64 [in] is the stable sort of g_idx and the codes come back with their columns
+    in that order (`q[:, perm]`), so that the groups are again G consecutive columns: then
+    `W[:, perm] x[perm] = W x`, and a layer computes its output from `x[..., perm]`.
 
     Raises:
-        ValueError: a `g_idx` that is not i // G (act-order checkpoints: not supported).
+        ValueError: a g_idx of the wrong length, or one whose groups do not each hold G columns.
     """
     q = _unpack_last(t["qweight"].t().contiguous(), bits)  # [out, in]
     zp = (_unpack_last(t["qzeros"], bits) + 1).t().contiguous()
     scale = t["scales"].float().t().contiguous()
     out, k = q.shape
+    want = torch.arange(k) // (k // scale.shape[1])
+    perm = None
     if "g_idx" in t:
-        want = torch.arange(k) // (k // scale.shape[1])
-        if not torch.equal(t["g_idx"].to(torch.int64), want):
-            raise ValueError("this GPTQ checkpoint has act-order (desc_act) groups, g_idx != i // group_size: "
-                             "minfer reads only sequential groups")
-    return q, scale, zp
+        g_idx = t["g_idx"].to(torch.int64)
+        if g_idx.shape != (k,):
+            raise ValueError(f"g_idx has shape {tuple(g_idx.shape)}, not ({k},)")
+        if not torch.equal(g_idx, want):
+            perm = torch.argsort(g_idx, stable=True)
+            if not torch.equal(g_idx[perm], want):
+                raise ValueError(f"this GPTQ checkpoint's g_idx does not give each of its {scale.shape[1]} groups "
+                                 f"{k // scale.shape[1]} columns: minfer reads groups of equal size")
+            q = q[:, perm].contiguous()
+    return q, scale, zp, perm
 
 
 def to_minfer_int4(q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor):
