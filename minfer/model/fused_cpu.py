@@ -43,7 +43,7 @@ def _library() -> ctypes.CDLL:
         "minfer_rms_norm_f32": [ptr, ptr, ptr, i64, i64, i64, i64, f32, cint],
         "minfer_fused_add_rms_norm_f32": [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32, cint],
         "minfer_silu_and_mul_f32": [ptr, ptr, i64, i64, i64, cint],
-        "minfer_rotary_f32": [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, cint],
+        "minfer_rotary_f32": [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, cint],
     }
     for name, argtypes in sigs.items():
         f = getattr(lib, name)
@@ -132,8 +132,9 @@ def apply_rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     """RoPE in place, rotate-half layout (Su et al., 2021; HF Llama): x1, x2 = x[..., :D/2], x[..., D/2:] become
     x1 cos - x2 sin, x2 cos + x1 sin.
 
-    q float32 `[T, H, D]`, k `[T, KVH, D]`: views with head stride D and element stride 1 (e.g. of the fused
-    q|k|v output); cos, sin float32 `[T, D/2]`, gathered at each token's position. Returns (q, k), modified.
+    q float32 `[T, H, D]`, k `[T, KVH, D]`, contiguous along the last dim (strided views, e.g. of the fused
+    q|k|v output, are fine); cos, sin float32 `[T, D/2]`, gathered at each token's position. Returns (q, k),
+    modified in place.
     Raises ValueError on other shapes, strides, dtypes or devices.
     """
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
@@ -144,11 +145,11 @@ def apply_rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     t, h, d = q.shape
     if cos.shape != (t, d // 2) or sin.shape != (t, d // 2):
         raise ValueError(f"cos and sin must be [{t}, {d // 2}], got {tuple(cos.shape)}, {tuple(sin.shape)}")
-    if q.stride()[1:] != (d, 1) or k.stride()[1:] != (d, 1):
-        raise ValueError(f"q and k need head stride {d} and element stride 1 (in-place kernel), got "
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError(f"q and k must be contiguous along the last dim (in-place kernel), got strides "
                          f"{q.stride()} and {k.stride()}")
     cos, sin = cos.contiguous(), sin.contiguous()
     if t:
         _library().minfer_rotary_f32(q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(), t, h, k.shape[1],
-                                     d, q.stride(0), k.stride(0), torch.get_num_threads())
+                                     d, q.stride(0), q.stride(1), k.stride(0), k.stride(1), torch.get_num_threads())
     return q, k

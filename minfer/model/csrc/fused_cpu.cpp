@@ -9,8 +9,8 @@
 // Layout contract (checked on the Python side):
 //   x, residual, out, res_out: float32 rows of `cols` floats, `stride` floats apart (last dim contiguous)
 //   weight float32 [cols]
-//   rotary: q [T, H, D] / k [T, KVH, D] with the head and element strides D and 1, rows `q_stride` /
-//   `k_stride` floats apart (views into the q|k|v projection); cos, sin float32 [T, D/2] contiguous.
+//   rotary: q [T, H, D] / k [T, KVH, D] with element stride 1, any token and head strides (views into the
+//   q|k|v projection); cos, sin float32 [T, D/2] contiguous.
 // Built with -O3 -march=native -ffast-math (vectorized exp through glibc's libmvec; nothing here is inf/NaN
 // for finite inputs, and the results differ from torch's by a few float32 ulps, not more).
 
@@ -71,10 +71,11 @@ extern "C" void minfer_silu_and_mul_f32(float* out, const float* x, int64_t rows
 
 // RoPE in the rotate-half layout (HF Llama), in place: for each head, (x1, x2) = (x[:D/2], x[D/2:]) becomes
 // (x1 c - x2 s, x2 c + x1 s) with c, s the token's cos/sin row.
-static inline void rotate_rows(float* x, int64_t heads, int64_t d, const float* c, const float* s) {
+static inline void rotate_rows(float* x, int64_t heads, int64_t head_stride, int64_t d, const float* c,
+                               const float* s) {
   const int64_t half = d / 2;
   for (int64_t h = 0; h < heads; ++h) {
-    float* x1 = x + h * d;
+    float* x1 = x + h * head_stride;
     float* x2 = x1 + half;
 #pragma omp simd
     for (int64_t i = 0; i < half; ++i) {
@@ -86,13 +87,13 @@ static inline void rotate_rows(float* x, int64_t heads, int64_t d, const float* 
 }
 
 extern "C" void minfer_rotary_f32(float* q, float* k, const float* cos, const float* sin, int64_t tokens,
-                                  int64_t heads, int64_t kv_heads, int64_t d, int64_t q_stride, int64_t k_stride,
-                                  int nthreads) {
+                                  int64_t heads, int64_t kv_heads, int64_t d, int64_t q_stride, int64_t q_head_stride,
+                                  int64_t k_stride, int64_t k_head_stride, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (tokens > 4)
   for (int64_t t = 0; t < tokens; ++t) {
     const float* c = cos + t * (d / 2);
     const float* s = sin + t * (d / 2);
-    rotate_rows(q + t * q_stride, heads, d, c, s);
-    rotate_rows(k + t * k_stride, kv_heads, d, c, s);
+    rotate_rows(q + t * q_stride, heads, q_head_stride, d, c, s);
+    rotate_rows(k + t * k_stride, kv_heads, k_head_stride, d, c, s);
   }
 }
