@@ -60,7 +60,10 @@ class Worker:
     def __init__(self, args: EngineArgs):
         self.args = args
         loaded = load_model(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                            fused_ops=args.attention_backend == "triton", quantization=args.quantization,
+                            # Triton's fused element-wise kernels with its attention; the C++ CPU ones
+                            # with the CPU backends (the loader keeps plain torch where they do not apply).
+                            fused_ops="triton" if args.attention_backend == "triton" else "cpu",
+                            quantization=args.quantization,
                             quantization_config=args.quantization_config,
                             max_parallel_loading_workers=getattr(args, "max_parallel_loading_workers", None))
         self.model = loaded.model

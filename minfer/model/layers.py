@@ -7,8 +7,9 @@ matmul instead of three; each parameter's `weight_loader` knows which rows a che
 pattern of nano-vllm and vLLM).
 
 `BuildOptions` is what a model is built with: the linear method and whether the element-wise ops run as
-fused Triton kernels (the Triton attention backend wants them). Both are decided before the model is
-built, so no layer is patched afterwards.
+fused kernels: the Triton ones (the Triton attention backend wants them) or the C++ CPU loops of
+`minfer.model.fused_cpu` (a float32 model on the CPU). Both are decided before the model is built, so no
+layer is patched afterwards.
 """
 
 from __future__ import annotations
@@ -29,30 +30,46 @@ class BuildOptions:
 
     Attributes:
         linear_method: the `LinearMethod` of every `Linear` (one object shared by all layers).
-        fused_ops: RMSNorm (with the residual add), SiLU-and-mul and RoPE run as the fused Triton kernels
-            of `minfer.kernels` instead of plain torch.
+        fused_ops: RMSNorm (with the residual add), SiLU-and-mul and RoPE run as fused kernels instead of
+            plain torch: "triton" (or True) the Triton kernels of `minfer.kernels`, "cpu" the C++ loops of
+            `minfer.model.fused_cpu`; False plain torch.
     """
 
     linear_method: LinearMethodBase = field(default_factory=UnquantizedLinearMethod)
-    fused_ops: bool = False
+    fused_ops: bool | str = False
+
+
+def fused_kernels(kind: bool | str):
+    """The module holding `rms_norm`, `fused_add_rms_norm`, `silu_and_mul` and `apply_rotary_` for a
+    `BuildOptions.fused_ops` value: `minfer.model.fused_cpu` for "cpu", `minfer.kernels` (Triton) for "triton"
+    or True. Raises ValueError for another value."""
+    if kind == "cpu":
+        from minfer.model import fused_cpu
+
+        return fused_cpu
+    if kind is True or kind == "triton":
+        import minfer.kernels
+
+        return minfer.kernels
+    raise ValueError(f"fused_ops must be False, True, 'triton' or 'cpu', got {kind!r}")
 
 
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32 (Zhang & Sennrich, 2019).
 
     `forward(x, residual)` also fuses the residual add: returns (norm(x + residual), x + residual), the
-    shape of vLLM's fused kernel, so the Triton version (`fused=True`) replaces it one for one.
+    shape of vLLM's fused kernel, so the fused versions (`fused="triton"` or `"cpu"`, `fused_kernels`) replace
+    it one for one.
     """
 
-    def __init__(self, dim: int, eps: float = 1e-6, fused: bool = False):
+    def __init__(self, dim: int, eps: float = 1e-6, fused: bool | str = False):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
-        self.fused = fused
+        self.fused = bool(fused)
         if fused:
-            from minfer.kernels import fused_add_rms_norm, rms_norm
-
-            self._kernels = (rms_norm, fused_add_rms_norm)
+            k = fused_kernels(fused)
+            self._kernels = (k.rms_norm, k.fused_add_rms_norm)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -189,12 +206,7 @@ class MLP(nn.Module):
         build = build or BuildOptions()
         self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], bias=bias, method=build.linear_method)
         self.down_proj = Linear(intermediate, hidden, bias=bias, method=build.linear_method)
-        if build.fused_ops:
-            from minfer.kernels import silu_and_mul as fused_silu_and_mul
-
-            self.act = fused_silu_and_mul
-        else:
-            self.act = silu_and_mul
+        self.act = fused_kernels(build.fused_ops).silu_and_mul if build.fused_ops else silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))

@@ -1,0 +1,155 @@
+"""The fused element-wise ops of the Llama layer on the CPU: RMSNorm (with the residual add), SiLU-and-mul
+and RoPE, each one C++ loop (`csrc/fused_cpu.cpp`) instead of 3-6 torch ops (chapter 9, "where the time goes").
+
+The functions have the signatures and contracts of the Triton kernels in `minfer.kernels.fused`, so the model's
+layers take either set (`BuildOptions.fused_ops = "cpu"` or `"triton"`, `minfer.model.layers.fused_kernels`):
+
+    rms_norm(x, weight, eps)                     -> out                    (new memory)
+    fused_add_rms_norm(x, residual, weight, eps) -> (out, x + residual)    (new memory; inputs untouched)
+    silu_and_mul(x [..., 2I])                    -> silu(x[..., :I]) * x[..., I:]
+    apply_rotary_(q, k, cos, sin)                -> (q, k) rotated in place (rotate-half layout)
+
+float32 CPU tensors only (what the engine's CPU path runs); the loops are split over rows with OpenMP
+(`torch.get_num_threads()` threads). They are built like the paged-decode kernel (`minfer.attention.cpu.
+load_cpu_library`: once per checkout, source version and kind of CPU); `fused_cpu_available()` says whether
+that worked, and the worker falls back to plain torch, silently, where it did not. `MINFER_CPU_KERNELS=0`
+turns them off. Results match the torch ops to a few float32 ulps (`tests/test_fused_cpu.py`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "fused_cpu.cpp"
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+
+
+class FusedCpuUnavailable(RuntimeError):
+    """The fused CPU ops could not be built or loaded here (the message says why)."""
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    """Build and load the library. Raises FusedCpuUnavailable (disabled, or the build failed)."""
+    from minfer.attention.cpu import load_cpu_library
+
+    lib = load_cpu_library(SOURCE, "minfer_fused_cpu", CFLAGS, FusedCpuUnavailable)
+    i64, ptr, f32, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+    sigs = {
+        "minfer_rms_norm_f32": [ptr, ptr, ptr, i64, i64, i64, i64, f32, cint],
+        "minfer_fused_add_rms_norm_f32": [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32, cint],
+        "minfer_silu_and_mul_f32": [ptr, ptr, i64, i64, i64, cint],
+        "minfer_rotary_f32": [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, cint],
+    }
+    for name, argtypes in sigs.items():
+        f = getattr(lib, name)
+        f.argtypes, f.restype = argtypes, None
+    return lib
+
+
+def fused_cpu_available() -> bool:
+    """True when the library builds and loads on this machine (builds it on the first call)."""
+    try:
+        _library()
+        return True
+    except FusedCpuUnavailable:
+        return False
+
+
+def _check(name: str, t: torch.Tensor) -> None:
+    if t.dtype != torch.float32 or t.device.type != "cpu":
+        raise ValueError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+
+
+def _rows(name: str, x: torch.Tensor) -> torch.Tensor:
+    """x as `[rows, last]` with a contiguous last dim (a view where the strides allow it)."""
+    _check(name, x)
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _check_weight(weight: torch.Tensor, n: int) -> torch.Tensor:
+    _check("weight", weight)
+    if weight.shape != (n,):
+        raise ValueError(f"weight must be [{n}], got {tuple(weight.shape)}")
+    return weight.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dim (Zhang & Sennrich, 2019).
+
+    x float32 `[..., hidden]`, weight float32 `[hidden]` -> a new tensor like x.
+    Raises ValueError on another dtype or device, or a weight of the wrong shape.
+    """
+    x2 = _rows("x", x)
+    w = _check_weight(weight, x2.shape[1])
+    out = torch.empty(x2.shape, dtype=x.dtype)
+    if x2.numel():
+        _library().minfer_rms_norm_f32(out.data_ptr(), x2.data_ptr(), w.data_ptr(), x2.shape[0], x2.shape[1],
+                                       x2.stride(0), out.stride(0), float(eps), torch.get_num_threads())
+    return out.view(x.shape)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) * weight, x + residual) in one pass (vLLM's contract; inputs not modified).
+
+    x, residual float32 `[..., hidden]` of one shape; weight float32 `[hidden]`.
+    Raises ValueError on a shape, dtype or device mismatch.
+    """
+    if x.shape != residual.shape:
+        raise ValueError(f"x and residual must match, got {tuple(x.shape)} vs {tuple(residual.shape)}")
+    x2, r2 = _rows("x", x), _rows("residual", residual)
+    w = _check_weight(weight, x2.shape[1])
+    out, res_out = torch.empty(x2.shape, dtype=x.dtype), torch.empty(x2.shape, dtype=x.dtype)
+    if x2.numel():
+        _library().minfer_fused_add_rms_norm_f32(out.data_ptr(), res_out.data_ptr(), x2.data_ptr(), r2.data_ptr(),
+                                                 w.data_ptr(), x2.shape[0], x2.shape[1], x2.stride(0), r2.stride(0),
+                                                 float(eps), torch.get_num_threads())
+    return out.view(x.shape), res_out.view(x.shape)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gate (Shazeer, 2020): x float32 `[..., 2I]` = gate|up -> silu(gate) * up `[..., I]`.
+    Raises ValueError on an odd last dim, another dtype or device."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"last dim must be even (gate and up halves), got {x.shape[-1]}")
+    x2 = _rows("x", x)
+    inter = x2.shape[1] // 2
+    out = torch.empty(x2.shape[0], inter, dtype=x.dtype)
+    if out.numel():
+        _library().minfer_silu_and_mul_f32(out.data_ptr(), x2.data_ptr(), x2.shape[0], inter, x2.stride(0),
+                                           torch.get_num_threads())
+    return out.view(*x.shape[:-1], inter)
+
+
+def apply_rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE in place, rotate-half layout (Su et al., 2021; HF Llama): x1, x2 = x[..., :D/2], x[..., D/2:] become
+    x1 cos - x2 sin, x2 cos + x1 sin.
+
+    q float32 `[T, H, D]`, k `[T, KVH, D]`, contiguous along the last dim (strided views, e.g. of the fused
+    q|k|v output, are fine); cos, sin float32 `[T, D/2]`, gathered at each token's position. Returns (q, k),
+    modified in place.
+    Raises ValueError on other shapes, strides, dtypes or devices.
+    """
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        _check(name, t)
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.shape[2] % 2:
+        raise ValueError(f"q [T, H, D] and k [T, KVH, D] with an even D expected, got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}")
+    t, h, d = q.shape
+    if cos.shape != (t, d // 2) or sin.shape != (t, d // 2):
+        raise ValueError(f"cos and sin must be [{t}, {d // 2}], got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError(f"q and k must be contiguous along the last dim (in-place kernel), got strides "
+                         f"{q.stride()} and {k.stride()}")
+    cos, sin = cos.contiguous(), sin.contiguous()
+    if t:
+        _library().minfer_rotary_f32(q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(), t, h, k.shape[1],
+                                     d, q.stride(0), q.stride(1), k.stride(0), k.stride(1), torch.get_num_threads())
+    return q, k
