@@ -86,6 +86,9 @@ def parse_tools(body: dict) -> ToolRequest | None:
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
             raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema object", param="tools")
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise APIError(400, f"tools[{i}].function.description must be a string, got {echo(fn['description'])}",
+                           param="tools")
         if fn["name"] in functions:
             raise APIError(400, f"tools[{i}]: the function name {echo(fn['name'])} is used twice", param="tools")
         functions[fn["name"]] = {"name": fn["name"], "description": fn.get("description") or "",
@@ -95,7 +98,7 @@ def parse_tools(body: dict) -> ToolRequest | None:
     if isinstance(choice, dict):
         fn = choice.get("function") if choice.get("type") == "function" else None
         name = fn.get("name") if isinstance(fn, dict) else None
-        if name not in functions:
+        if not isinstance(name, str) or name not in functions:  # a list or dict name is unhashable: check first
             raise APIError(400, f"tool_choice names no given function: {echo(choice)}", param="tool_choice")
         req = ToolRequest(tools, "function", name, functions)
     elif choice in ("none", "auto", "required"):
@@ -107,22 +110,74 @@ def parse_tools(body: dict) -> ToolRequest | None:
     return None if req.choice == "none" else req
 
 
+_NOT_SCHEMAS = ("const", "enum", "default", "examples")  # values, not subschemas: a "$ref" in them is data
+
+
+def _rebase(schema, base: str):
+    """`schema` with its local refs ("#", "#/...") pointing below `base` ("#/$defs/<key>"), where the schema
+    is moved: the parameters' own `$defs` / `definitions` move with it and still resolve."""
+    if isinstance(schema, list):
+        return [_rebase(v, base) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
+            out[k] = base + v[1:]
+        else:
+            out[k] = v if k in _NOT_SCHEMAS else _rebase(v, base)
+    return out
+
+
+def _pointer(schema, ref: str):
+    """What the local ref `ref` ("#/a/b") points at in `schema`, or None."""
+    node = schema
+    for part in ref[2:].split("/") if ref != "#" else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def _ref_loop(schema) -> bool:
+    """Whether the schema is only a `$ref` chain back to itself ({"$ref": "#"}): it matches nothing, and the
+    grammar would start a call it cannot finish (finish_reason "abort")."""
+    seen, node = set(), schema
+    while isinstance(node, dict) and isinstance(node.get("$ref"), str) and node["$ref"].startswith("#") \
+            and not set(node) - {"$ref", "$defs", "definitions", "title", "description", "$schema"}:
+        if node["$ref"] in seen:
+            return True
+        seen.add(node["$ref"])
+        node = _pointer(schema, node["$ref"])
+    return False
+
+
+def _call_parts(req: ToolRequest) -> tuple[dict, dict]:
+    """(the schema of one call without its `$defs`, those `$defs`). Each tool's parameters live in the root's
+    `$defs` (refs rebased), not nested under properties.arguments, where "#/$defs/City" would not resolve."""
+    names = [req.name] if req.choice == "function" else list(req.functions)
+    defs, alts = {}, []
+    for k, n in enumerate(names):
+        key = f"minfer_tool_{k}"
+        defs[key] = _rebase(req.functions[n]["parameters"], f"#/$defs/{key}")
+        alts.append({"type": "object", "properties": {"name": {"const": n}, "arguments": {"$ref": f"#/$defs/{key}"}},
+                     "required": ["name", "arguments"], "additionalProperties": False})
+    return (alts[0] if len(alts) == 1 else {"anyOf": alts}), defs
+
+
 def call_schema(req: ToolRequest) -> dict:
     """The JSON schema of one call: {"name": const, "arguments": the tool's parameters}, any tool's
     ("required") or the named one's."""
-    names = [req.name] if req.choice == "function" else list(req.functions)
-    alts = [{"type": "object", "properties": {"name": {"const": n}, "arguments": req.functions[n]["parameters"]},
-             "required": ["name", "arguments"], "additionalProperties": False} for n in names]
-    return alts[0] if len(alts) == 1 else {"anyOf": alts}
+    one, defs = _call_parts(req)
+    return {**one, "$defs": defs}
 
 
 def answer_schema(req: ToolRequest) -> dict:
     """The JSON schema of a forced answer: one call (`call_schema`), or, with an explicit
     `parallel_tool_calls: true`, one call or a non-empty array of calls."""
-    one = call_schema(req)
+    one, defs = _call_parts(req)
     if not (req.parallel and req.parallel_explicit):
-        return one
-    return {"anyOf": [one, {"type": "array", "items": one, "minItems": 1}]}
+        return {**one, "$defs": defs}
+    return {"anyOf": [one, {"type": "array", "items": one, "minItems": 1}], "$defs": defs}
 
 
 def guided(req: ToolRequest) -> GuidedDecodingParams | None:
@@ -135,6 +190,10 @@ def guided(req: ToolRequest) -> GuidedDecodingParams | None:
         return None
     from minfer.serve.guided import check
 
+    for f in [req.functions[req.name]] if req.choice == "function" else req.functions.values():
+        if _ref_loop(f["parameters"]):
+            raise APIError(400, f"the parameters of {echo(f['name'])} only refer to themselves ($ref): "
+                                "no arguments match them", param="tools")
     g = GuidedDecodingParams(json=answer_schema(req))
     check(g, "tools")
     return g
@@ -160,14 +219,38 @@ def template_renders_tools(hf_tokenizer) -> bool:
     return _RENDERS_TOOLS[key]
 
 
+def _check_calls(calls, i: int) -> None:
+    """A history assistant turn's `tool_calls` as OpenAI takes them: a list of {"id": str, "type": "function",
+    "function": {"name": str, "arguments": str}}; APIError(400) naming the first bad field."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise APIError(400, f"{where} must be a list of tool calls, got {echo(calls)}", param=where)
+    for j, c in enumerate(calls):
+        at = f"{where}[{j}]"
+        if not isinstance(c, dict):
+            raise APIError(400, f"{at} must be an object, got {echo(c)}", param=at)
+        if not isinstance(c.get("id"), str):
+            raise APIError(400, f"{at}.id must be a string, got {echo(c.get('id'))}", param=f"{at}.id")
+        if c.get("type") != "function":
+            raise APIError(400, f"{at}.type must be \"function\", got {echo(c.get('type'))}", param=f"{at}.type")
+        fn = c.get("function")
+        if not isinstance(fn, dict):
+            raise APIError(400, f"{at}.function must be an object {{\"name\": ..., \"arguments\": ...}}, "
+                                f"got {echo(fn)}", param=f"{at}.function")
+        for key in ("name", "arguments"):
+            if not isinstance(fn.get(key), str):
+                raise APIError(400, f"{at}.function.{key} must be a string, got {echo(fn.get(key))}",
+                               param=f"{at}.function.{key}")
+
+
 def _call_text(call: dict) -> str:
-    fn = call.get("function") or {}
-    args = fn.get("arguments")
+    fn = call["function"]  # checked by _check_calls
+    args = fn["arguments"]
     try:
         args = json.loads(args) if isinstance(args, str) else args
     except json.JSONDecodeError:
         pass
-    return json.dumps({"name": fn.get("name"), "arguments": args}, ensure_ascii=False)
+    return json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False)
 
 
 def _messages(raw: list, native: bool) -> list[dict]:
@@ -187,16 +270,18 @@ def _messages(raw: list, native: bool) -> list[dict]:
         raise ValueError("messages must be a non-empty list of {role, content} objects")
     base = normalize_messages([plain(m) for m in raw])
     out = []
-    for m, b in zip(raw, base):
-        calls = m.get("tool_calls") if isinstance(m, dict) else None
-        if calls and isinstance(calls, list):
+    for i, (m, b) in enumerate(zip(raw, base)):
+        calls = m.get("tool_calls")  # m is a dict: normalize_messages checked it
+        if calls is not None:
+            _check_calls(calls, i)
+        if calls:
             if native:
                 b["tool_calls"] = [{"type": "function", "function": {
-                    "name": (c.get("function") or {}).get("name"),
-                    "arguments": json.loads(_call_text(c))["arguments"]}} for c in calls if isinstance(c, dict)]
+                    "name": c["function"]["name"], "arguments": json.loads(_call_text(c))["arguments"]}}
+                                   for c in calls]
             else:
                 b["content"] = (b["content"] + "\n" if b["content"] else "") + "\n".join(
-                    _call_text(c) for c in calls if isinstance(c, dict))
+                    _call_text(c) for c in calls)
         if isinstance(m, dict) and m.get("role") == "tool" and isinstance(m.get("tool_call_id"), str):
             b["tool_call_id"] = m["tool_call_id"]
         out.append(b)
@@ -242,26 +327,40 @@ def _as_call(obj, req: ToolRequest) -> dict | None:
 def _json_values(body: str) -> list | None:
     """The JSON values of `body`: one value, or several one after another (whitespace between); None if any
     part is not JSON."""
-    decoder, values, i = json.JSONDecoder(), [], 0
+    decoder, values, i = json.JSONDecoder(parse_constant=_no_constant), [], 0
     try:
         while i < len(body):
             value, i = decoder.raw_decode(body, i)
             values.append(value)
             while i < len(body) and body[i].isspace():
                 i += 1
-    except (json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):  # JSONDecodeError is a ValueError, as is _no_constant's
         return None
     return values
+
+
+def _no_constant(name: str):
+    """NaN / Infinity / -Infinity: Python's json reads them, but they are not JSON, and arguments holding
+    them would be passed on as invalid JSON text: such an output is text, not a call."""
+    raise ValueError(f"{name} is not JSON")
 
 
 def parse_output(text: str, req: ToolRequest) -> tuple[str | None, list[dict]]:
     """(content, tool_calls) of an output. Calls of given tools become OpenAI tool calls (arguments as JSON
     text), in order: a bare call object, a JSON array of them, several objects one after another, or each in
-    `<tool_call>...</tool_call>` tags. Anything else (or any part that is not a call) stays content. With
-    `parallel_tool_calls: false` only the first call is kept."""
+    `<tool_call>...</tool_call>` tags. Anything else (or any part that is not a call) stays content: an
+    output with text beside its calls (`{...} and then prose`, `<tool_call>{...}</tool_call> prose`) is all
+    content, nothing of it dropped. With `parallel_tool_calls: false` only the first call is kept."""
     body = text.strip()
     if body.startswith("<tool_call>"):
-        parts = [p.split("</tool_call>")[0].strip() for p in body.split("<tool_call>")[1:]]
+        blocks = body.split("<tool_call>")[1:]
+        parts = []
+        for k, block in enumerate(blocks):
+            inside, closed, after = block.partition("</tool_call>")
+            # text after a block, or a block left open before the last one: not only calls
+            if after.strip() or (not closed and k != len(blocks) - 1):
+                return text, []
+            parts.append(inside.strip())
         values = [_json_values(p) for p in parts]
         if any(v is None or len(v) != 1 for v in values):
             return text, []
