@@ -135,3 +135,56 @@ def test_tool_call_blocks_alone_still_parse():
                  '<tool_call>\n{"name": "get_weather", "arguments": {}}'):  # the last block left open
         content, calls = parse_output(text, r)
         assert content is None and [c["function"]["name"] for c in calls] == ["get_weather"]
+
+
+# -- through the server (TestClient, the real SmolLM2-135M-Instruct) -------------------------------------------
+@pytest.fixture(scope="module")
+def client(llm):
+    pytest.importorskip("llguidance")
+    from fastapi.testclient import TestClient
+
+    from minfer.serve.routes import build_app
+
+    with TestClient(build_app(llm.llm_engine, served_model_names=["m"], log_requests=False)) as c:
+        yield c, llm.llm_engine
+
+
+USER = [{"role": "user", "content": "Book a trip to Rome."}]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [W], "tool_choice": {"type": "function", "function": {"name": ["get_weather"]}}}, "tool_choice"),
+    ({"tools": [W], "tool_choice": {"type": "function", "function": {"name": {"x": 1}}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {**W["function"], "description": ["d"]}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"tools": [W], "messages": USER + [{"role": "assistant", "content": None, "tool_calls": [{"function": "x"}]}]},
+     "messages[1].tool_calls[0].id"),
+    ({"tools": [W], "messages": USER + [{"role": "assistant", "content": None,
+                                         "tool_calls": [{**CALL, "function": "x"}]}]},
+     "messages[1].tool_calls[0].function"),
+])
+@pytest.mark.timeout(600)
+def test_bad_tools_requests_are_400_and_nothing_is_lost(client, body, param):
+    c, engine = client
+    r = c.post("/v1/chat/completions", json={"model": "m", "max_tokens": 20, "messages": USER, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+    assert not engine.has_unfinished_requests() and engine.all_blocks_free()
+    assert c.post("/v1/chat/completions", json={"model": "m", "max_tokens": 3, "messages": USER}).status_code == 200
+
+
+@pytest.mark.timeout(600)
+def test_a_forced_call_with_defs_through_the_server(client):
+    jsonschema = pytest.importorskip("jsonschema")
+    c, engine = client
+    r = c.post("/v1/chat/completions", json={"model": "m", "max_tokens": 80, "temperature": 0, "messages": USER,
+                                              "tools": [W, DEFS],
+                                              "tool_choice": {"type": "function", "function": {"name": "book"}}})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    call = choice["message"]["tool_calls"][0]["function"]
+    assert call["name"] == "book"
+    jsonschema.validate(json.loads(call["arguments"]), DEFS["function"]["parameters"])
+    assert not engine.has_unfinished_requests() and engine.all_blocks_free()
