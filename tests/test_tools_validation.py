@@ -123,7 +123,8 @@ def test_an_output_with_nan_is_text_not_a_call(value):
     '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call> and then prose',
     '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>\nprose\n<tool_call>{"name": "get_weather", '
     '"arguments": {}}</tool_call>',
-    '<tool_call>{"name": "get_weather", "arguments": {}}<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>',
+    '<tool_call>{"name": "get_weather", "arguments": {}}<tool_call>{"name": "get_weather", '
+    '"arguments": {}}</tool_call>',  # the first block left open
 ])
 def test_text_beside_tool_call_blocks_stays_content(text):
     assert parse_output(text, parse_tools({"tools": [W]})) == (text, [])
