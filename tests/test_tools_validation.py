@@ -189,3 +189,14 @@ def test_a_forced_call_with_defs_through_the_server(client):
     assert call["name"] == "book"
     jsonschema.validate(json.loads(call["arguments"]), DEFS["function"]["parameters"])
     assert not engine.has_unfinished_requests() and engine.all_blocks_free()
+
+
+def test_refs_are_rebased_in_subschemas_not_in_values():
+    from minfer.serve.tools import _rebase
+
+    schema = {"properties": {"default": {"$ref": "#/$defs/A"}, "x": {"const": {"$ref": "#"}, "default": {"$ref": "#"}}},
+              "$defs": {"A": {"items": [{"$ref": "#"}]}}, "$ref": "other.json"}
+    assert _rebase(schema, "#/$defs/t") == {
+        "properties": {"default": {"$ref": "#/$defs/t/$defs/A"},
+                       "x": {"const": {"$ref": "#"}, "default": {"$ref": "#"}}},
+        "$defs": {"A": {"items": [{"$ref": "#/$defs/t"}]}}, "$ref": "other.json"}

@@ -113,19 +113,25 @@ def parse_tools(body: dict) -> ToolRequest | None:
 _NOT_SCHEMAS = ("const", "enum", "default", "examples")  # values, not subschemas: a "$ref" in them is data
 
 
-def _rebase(schema, base: str):
+_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> subschema
+
+
+def _rebase(schema, base: str, names: bool = False):
     """`schema` with its local refs ("#", "#/...") pointing below `base` ("#/$defs/<key>"), where the schema
-    is moved: the parameters' own `$defs` / `definitions` move with it and still resolve."""
+    is moved: the parameters' own `$defs` / `definitions` move with it and still resolve. `names`: the dict's
+    keys are property / definition names (a property called "default" is a subschema), not keywords."""
     if isinstance(schema, list):
         return [_rebase(v, base) for v in schema]
     if not isinstance(schema, dict):
         return schema
+    if names:
+        return {k: _rebase(v, base) for k, v in schema.items()}
     out = {}
     for k, v in schema.items():
         if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
             out[k] = base + v[1:]
         else:
-            out[k] = v if k in _NOT_SCHEMAS else _rebase(v, base)
+            out[k] = v if k in _NOT_SCHEMAS else _rebase(v, base, names=k in _NAMED)
     return out
 
 
