@@ -192,6 +192,8 @@ async def serve_beam_search(serving, request: Request, body: dict, prompts: list
         return Response(status_code=499)
     _, kind, payload = event
     if kind == "error":
+        if isinstance(payload, APIError):  # 503: the engine died (a dead worker), as on the sampling path
+            raise payload
         if isinstance(payload, ValueError):
             raise APIError(400, str(payload), param="max_tokens" if "KV blocks" in str(payload) else None)
         if isinstance(payload, RuntimeError) and "idle engine" in str(payload):
