@@ -76,8 +76,22 @@ class BeamSearchRunner:
         with its own copy of all generated tokens, plus one copy-on-write block per beam."""
         bs = self.bm.block_size
         gen = -(-(min(prompt_len + params.max_tokens, self.max_model_len) - prompt_len + bs) // bs)
-        # A hybrid KV cache (Gemma 3) holds one table per layer group, each growing alike.
-        return self.bm.num_block_tables * (self.bm.blocks_needed(prompt_len) + params.beam_width * (gen + 1))
+        prompt = self.bm.blocks_needed(prompt_len)
+        full = prompt + params.beam_width * (gen + 1)
+        # One table per layer group on a hybrid KV cache (Gemma 3). A windowed table (`_forward` frees each
+        # beam's blocks behind the window after every step) holds the whole prompt only during the prefill,
+        # then per beam at most the window's blocks, +1 for a partial block at each end (+1 copy-on-write).
+        return sum(full if w is None else min(full, max(prompt, params.beam_width * (-(-w // bs) + 2)))
+                   for w in self._table_windows())
+
+    def _table_windows(self) -> list[int | None]:
+        """The window each block table of a sequence is freed behind (None: kept whole), one per table."""
+        if self.sliding_window is None:  # no freeing at all
+            return [None] * self.bm.num_block_tables
+        layout = getattr(self.bm, "layout", None)  # the hybrid manager: each group has its own window
+        if layout is not None:
+            return [g.window for g in layout.groups]
+        return [self.sliding_window] * self.bm.num_block_tables
 
     def run(self, prompts: list[list[int]], params: BeamSearchParams) -> list[list[tuple]]:
         """Search every prompt; returns per prompt up to beam_width (score, output ids, logprobs, eos?) tuples,

@@ -138,3 +138,31 @@ def test_tokenizer_argument_is_used(tmp_path):
 
     with pytest.raises(ModelNotFoundError, match="nonexistent"):
         LLM(max_model_len=256, kv_cache_memory_bytes=16 << 20, tokenizer=str(tmp_path / "nonexistent"))
+
+
+# `python -m minfer.bench engine`: bad arguments stop at once with argparse's usage error (exit 2), before the
+# default model is looked up or any run starts; --quantization-config is checked as `LLM` checks it.
+@pytest.mark.parametrize("argv,needle", [
+    (["--num-requests", "0"], "--num-requests"),
+    (["--num-requests", "-3"], "--num-requests"),
+    (["--quantization", "int4", "--quantization-config", "{bad"], "not valid JSON"),
+    (["--quantization", "int4", "--quantization-config", "[1]"], "JSON object"),
+    (["--quantization", "int4", "--quantization-config", '{"group_size":7}', "--quick"], "group_size"),
+    (["--quantization", "int8", "--quantization-config", '{"group_size":64}'], "int4 only"),
+    (["--quantization", "int8", "--quantization-config", "[1]"], "int4 only"),
+    (["--quantization-config", '{"group_size":64}'], "needs --quantization"),
+])
+def test_bench_engine_rejects_bad_arguments_up_front(argv, needle, capsys, monkeypatch):
+    from minfer.bench import engine as B
+    from minfer.model import sources
+
+    def no_run(*a, **k):
+        raise AssertionError("the benchmark ran despite bad arguments")
+
+    monkeypatch.setattr(sources, "find_default_gguf", no_run)
+    monkeypatch.setattr(B, "run_quant_throughput", no_run)
+    monkeypatch.setattr(B, "run_all", no_run)
+    with pytest.raises(SystemExit) as e:
+        B.main(argv)
+    assert e.value.code == 2
+    assert needle in capsys.readouterr().err

@@ -122,3 +122,41 @@ def test_beam_width_1_is_greedy_and_bad_input_is_refused(llm):
         llm.beam_search([prompt], SamplingParams())
     with pytest.raises(ValueError, match="max_model_len"):
         llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=5000))
+
+
+def test_hybrid_kv_cache_counts_window_groups_by_their_window(tmp_path):
+    """On the hybrid KV cache (a random Gemma 3: two local layers with a window of 8, one global layer, one
+    table each) the bound counts a local group's table as the prompt (the prefill) or the window's blocks per
+    beam, not as a full table: a 90-token prompt fits a 24-block pool (block size 16; the old bound said 27
+    for one beam), and the blocks the search really holds stay within the bound."""
+    from minfer import LLM
+    from minfer.beam_search import BeamSearchRunner
+    from tests.test_models_gpt2_bloom import make_model, prompt
+
+    make_model(tmp_path, "gemma3")
+    llm = LLM(model=str(tmp_path), max_model_len=128, attention_backend="torch", device="cpu",
+              kv_cache_memory_bytes=24 * 2048, block_size=16)  # 2048 bytes a block: K,V x 16 x 16 dims x 4 bytes
+    eng = llm.llm_engine
+    bm = eng.block_manager
+    assert bm.num_total_blocks == 24 and bm.num_block_tables == 3
+    ids = prompt(5, 90)
+    out = llm.beam_search([{"prompt_token_ids": ids}], BeamSearchParams(beam_width=1, max_tokens=5))[0]
+    assert len(out.sequences[0].output_token_ids) == 5 and eng.all_blocks_free()
+
+    params = BeamSearchParams(beam_width=2, max_tokens=10, ignore_eos=True)
+    runner = BeamSearchRunner(bm, eng.executor, eng.max_model_len, eng.tokenizer.eos_token_ids,
+                              eng.scheduler.sliding_window)
+    bound = runner.blocks_needed(len(ids), params)
+    assert bound == 12 + 6 + 6  # global: 6 prompt + 2 x 3; each local: max(6 prompt, 2 x (1 window + 2))
+    peak = []
+    for name in ("append_slots", "copies_before_write"):  # where a step takes blocks
+        orig = getattr(bm, name)
+
+        def wrapped(*a, _orig=orig, **k):
+            r = _orig(*a, **k)
+            peak.append(bm.num_total_blocks - bm.num_free_blocks)
+            return r
+        setattr(bm, name, wrapped)
+    out = llm.beam_search([{"prompt_token_ids": ids}], params)[0]
+    assert len(out.sequences) == 2 and all(len(s.output_token_ids) == 10 for s in out.sequences)
+    assert 0 < max(peak) <= bound and eng.all_blocks_free()

@@ -380,3 +380,56 @@ def test_quantize_cli_refuses_outputs_and_flags_it_cannot_use(tiny, tmp_path, ca
         with pytest.raises(SystemExit) as e:
             main(["--model", str(src), "--method", "gptq", "--out", str(tmp_path / "g"), flag, value])
         assert e.value.code == 2 and f"{flag}: " in capsys.readouterr().err
+
+
+def _nan(x):
+    return torch.full_like(x, float("nan"))
+
+
+def _one_inf(x):
+    x = x.clone()
+    x[0, 0] = float("inf")
+    return x
+
+
+def _shift(v):
+    def f(g):
+        g = g.clone()
+        g[0] = v if v < 0 else int(g.max()) + v
+        return g
+    return f
+
+
+# Each corruption of one linear's GPTQ tensors, and the error naming that tensor and what it should be.
+GPTQ_CORRUPTIONS = [
+    ("scales", lambda s: s[:-1], r"down_proj: scales has shape \(\d+, \d+\), not"),
+    ("scales", _nan, r"down_proj: scales has \d+ non-finite"),
+    ("scales", _one_inf, r"down_proj: scales has 1 non-finite"),
+    ("g_idx", _shift(1), r"down_proj: g_idx holds groups 0\.\.\d+, outside 0\.\.\d+"),
+    ("g_idx", _shift(-1), r"down_proj: g_idx holds groups -1\.\.\d+, outside"),
+    ("g_idx", lambda g: g[:-1], r"down_proj: g_idx has shape \(\d+,\), not"),
+    ("g_idx", lambda g: g.float(), r"down_proj: g_idx is torch.float32"),
+    ("qweight", lambda q: q.float(), r"down_proj: qweight is torch.float32"),
+]
+
+
+def test_saved_gptq_tensors_are_checked_at_load(tiny, tmp_path):
+    """A GPTQ directory with a short `scales`, a `g_idx` out of range / negative / too short, non-finite
+    scales, or a float `qweight` / `g_idx` is refused at load, the error naming the tensor (unchecked, some
+    read as act-order groups of unequal size and NaN scales loaded and generated token 0)."""
+    from safetensors.torch import load_file, save_file
+
+    from minfer import LLM
+    from minfer.quantize import quantize_model
+
+    d = tmp_path / "g"
+    quantize_model(tiny, "int4", 32, d, use_tqdm=False, calib_text=_text(100))
+    good = load_file(str(d / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj"
+    for leaf, corrupt, match in GPTQ_CORRUPTIONS:
+        save_file({**good, f"{name}.{leaf}": corrupt(good[f"{name}.{leaf}"]).contiguous()},
+                  str(d / "model.safetensors"))
+        with pytest.raises(ValueError, match=match):
+            LLM(model=str(d), max_model_len=64, kv_cache_memory_bytes=1 << 20)
+    save_file(good, str(d / "model.safetensors"))  # the untouched tensors still load
+    LLM(model=str(d), max_model_len=64, kv_cache_memory_bytes=1 << 20)

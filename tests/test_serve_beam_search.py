@@ -338,3 +338,43 @@ def test_engine_process_beams_equal_llm_beam_search(process_server, reference_ll
             break
         time.sleep(0.2)
     assert s["num_free_blocks"] == s["num_total_blocks"] and s["num_running"] == 0
+
+
+# A tensor-parallel worker killed while a beam search runs: the search answers 503 with OpenAI's error body
+# (type server_error), as the sampling path does, and later requests and /health are 503 too; the engine in
+# its own process (the default) or in a thread of the server (--no-engine-process).
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("engine_process", [True, False], ids=["engine-process", "thread"])
+def test_beam_search_with_a_dead_worker_is_a_503(tmp_path, engine_process):
+    import httpx
+
+    from minfer.bench.parallel import save_random_llama
+
+    from .serving import running_server
+    from .test_parallel import _kill_worker_1
+
+    model = save_random_llama(tmp_path / "llama", layers=4, heads=8, kv_heads=2)
+    args = [model, "--tensor-parallel-size", "2", "--attention-backend", "torch", "--max-model-len", "512",
+            "--kv-cache-memory-bytes", "4M", *([] if engine_process else ["--no-engine-process"])]
+    with running_server(args, check_log=False) as url:
+        body = dict(model=model, prompt="w3 w4 w5", max_tokens=4, use_beam_search=True, n=2)
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+        answer: list = []
+        long_body = dict(body, max_tokens=480, ignore_eos=True)  # long enough to be running when the worker dies
+        t = threading.Thread(target=lambda: answer.append(
+            httpx.post(url + "/v1/completions", json=long_body, timeout=120)), daemon=True)
+        t.start()
+        time.sleep(1.5)
+        assert t.is_alive(), "the beam search ended before the worker was killed"
+        _kill_worker_1()
+        t.join(60)
+        assert not t.is_alive(), "the beam search still runs 60 s after the worker died"
+        r = answer[0]
+        assert r.status_code == 503, (r.status_code, r.text)
+        err = r.json()["error"]
+        assert err["type"] == "server_error" and "rank 1" in err["message"], err
+        r = httpx.post(url + "/v1/completions", json=body, timeout=30)  # later beam searches: 503 at once
+        assert r.status_code == 503 and "rank 1" in r.json()["error"]["message"], r.text
+        h = httpx.get(url + "/health", timeout=5)
+        assert h.status_code == 503 and "rank 1" in h.json()["error"]["message"], h.text

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from minfer.config import parse_quantization_config
 from minfer.sampling_params import SamplingParams
 
 DEFAULT_JSON = "assets/benchmarks/engine_cpu.json"
@@ -651,6 +652,29 @@ def _strip_series(res: dict) -> dict:
     return out
 
 
+def _quant_args(ap: argparse.ArgumentParser, args) -> tuple[tuple[str, ...], dict | None]:
+    """--quantization's methods and --quantization-config's dict (int4's settings), or `ap.error`: unknown
+    methods, a config that is not a JSON object or that int4 refuses (`parse_quantization_config`, as `LLM`
+    does), or a config with no int4 run to apply to (it would be silently ignored)."""
+    if not args.quantization:
+        if args.quantization_config:
+            ap.error("--quantization-config needs --quantization int4")
+        return (), None
+    methods = tuple(m.strip() for m in args.quantization.split(",") if m.strip())
+    bad = [m for m in methods if m not in QUANT_METHODS]
+    if bad or not methods:
+        ap.error(f"--quantization: unknown method(s) {bad}; choose from {','.join(QUANT_METHODS)}")
+    if not args.quantization_config:
+        return methods, None
+    if "int4" not in methods:
+        ap.error(f"--quantization-config applies to int4 only, and --quantization {args.quantization} has no int4")
+    try:
+        qcfg = parse_quantization_config("int4", args.quantization_config)
+    except ValueError as e:
+        ap.error(f"--quantization-config: {e}")
+    return methods, qcfg
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m minfer.bench engine", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small settings (CI / notebook): ~1-3 minutes on a CPU")
@@ -670,6 +694,9 @@ def main(argv: list[str] | None = None) -> int:
     bad = [p for p in parts if p not in PARTS]
     if bad:
         ap.error(f"unknown part(s) {bad}; choose from {','.join(PARTS)}")
+    if args.num_requests is not None and args.num_requests < 1:  # 0 would silently run the default 64
+        ap.error(f"--num-requests must be at least 1, got {args.num_requests}")
+    methods, qcfg = _quant_args(ap, args)  # checked before any run, not after the float32 one
     s = Settings.quick() if args.quick else Settings.full()
     if args.num_requests:
         s.num_requests = args.num_requests
@@ -685,11 +712,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"the default model is missing: {e}")
         return 1
     if args.quantization:
-        methods = tuple(m.strip() for m in args.quantization.split(",") if m.strip())
-        bad = [m for m in methods if m not in QUANT_METHODS]
-        if bad or not methods:
-            ap.error(f"--quantization: unknown method(s) {bad}; choose from {','.join(QUANT_METHODS)}")
-        qcfg = json.loads(args.quantization_config) if args.quantization_config else None
         t0 = time.perf_counter()
         res = dict(env=environment(), quick=s.num_requests < Settings.full().num_requests,
                    quant_throughput=run_quant_throughput(methods, s, progress=not args.no_progress,

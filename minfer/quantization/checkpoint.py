@@ -91,7 +91,11 @@ def unpack_checkpoint(named: Iterable[tuple[str, torch.Tensor]], qcfg: dict, sou
         if qcfg["quant_method"] == "awq":
             q, s, zp, perm = (*formats.unpack_awq(t), None)
         else:
-            q, s, zp, perm = formats.unpack_gptq(t, qcfg["bits"])
+            try:  # the group size too: a short `scales` is then named as such
+                formats.check_gptq(t, qcfg["bits"], qcfg.get("group_size"))
+                q, s, zp, perm = formats.unpack_gptq(t, qcfg["bits"])
+            except ValueError as e:
+                raise ValueError(f"{source}: {prefix}: {e}") from None
         if qcfg["bits"] == 8:
             codes, scale = formats.to_minfer_int8(q, s, zp)
             codes.prequant = ("int8", scale, None, perm)

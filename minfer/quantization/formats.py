@@ -109,6 +109,42 @@ def pack_gptq(q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, bits: int 
             "g_idx": (torch.arange(k) // (k // g) if g_idx is None else g_idx).to(torch.int32).clone()}
 
 
+def check_gptq(t: dict[str, torch.Tensor], bits: int = 4, group_size: int | None = None) -> None:
+    """Refuse GPTQ v1 tensors of the wrong dtype, shape or range, each error naming the tensor and what it
+    should be (unchecked, a short `scales` or a bad `g_idx` reads as act-order groups of unequal size, and a
+    float `qweight` is silently truncated). `group_size` -1 is one group per row; None: any that divides in.
+
+    Raises:
+        ValueError: qweight/qzeros not int32 or not 2-D, scales not float or not finite, g_idx not an integer
+            tensor, or any of them not the shape (or g_idx not the range) qweight's implies.
+    """
+    for name in ("qweight", "qzeros"):
+        if t[name].dtype != torch.int32 or t[name].dim() != 2:
+            raise ValueError(f"{name} is {t[name].dtype} {tuple(t[name].shape)}: GPTQ stores it as int32, 2-D")
+    k, out = t["qweight"].shape[0] * 32 // bits, t["qweight"].shape[1]  # qweight int32 [in*bits/32, out]
+    sc = t["scales"]
+    if not sc.is_floating_point():
+        raise ValueError(f"scales is {sc.dtype}: GPTQ stores float scales (float16)")
+    groups = 1 if group_size == -1 else k // group_size if group_size else sc.shape[0] if sc.dim() == 2 else 0
+    if sc.shape != (groups, out) or groups < 1 or k % groups:
+        raise ValueError(f"scales has shape {tuple(sc.shape)}, not ({groups}, {out}): one row per group of "
+                         f"qweight's {k} inputs")
+    if not bool(torch.isfinite(sc).all()):
+        raise ValueError(f"scales has {int((~torch.isfinite(sc)).sum())} non-finite value(s) (NaN or inf): the "
+                         "checkpoint is corrupt")
+    if t["qzeros"].shape != (groups, out * bits // 32):
+        raise ValueError(f"qzeros has shape {tuple(t['qzeros'].shape)}, not ({groups}, {out * bits // 32})")
+    if "g_idx" in t:
+        g = t["g_idx"]
+        if g.is_floating_point() or g.is_complex() or g.dtype == torch.bool:
+            raise ValueError(f"g_idx is {g.dtype}: GPTQ stores each input's group as int32")
+        if g.shape != (k,):
+            raise ValueError(f"g_idx has shape {tuple(g.shape)}, not ({k},): one group per input of qweight")
+        if k and (int(g.min()) < 0 or int(g.max()) >= groups):
+            raise ValueError(f"g_idx holds groups {int(g.min())}..{int(g.max())}, outside 0..{groups - 1} "
+                             f"(scales has {groups} rows)")
+
+
 def unpack_gptq(t: dict[str, torch.Tensor], bits: int = 4
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """GPTQ v1 tensors -> (codes int32 [out, in], scale float32 [out, in/G], zp int32 [out, in/G], perm).
@@ -119,8 +155,9 @@ def unpack_gptq(t: dict[str, torch.Tensor], bits: int = 4
     `W[:, perm] x[perm] = W x`, and a layer computes its output from `x[..., perm]`.
 
     Raises:
-        ValueError: a g_idx of the wrong length, or one whose groups do not each hold G columns.
+        ValueError: tensors `check_gptq` refuses, or a g_idx whose groups do not each hold G columns.
     """
+    check_gptq(t, bits)
     q = _unpack_last(t["qweight"].t().contiguous(), bits)  # [out, in]
     zp = (_unpack_last(t["qzeros"], bits) + 1).t().contiguous()
     scale = t["scales"].float().t().contiguous()

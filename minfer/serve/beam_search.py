@@ -165,7 +165,8 @@ async def serve_beam_search(serving, request: Request, body: dict, prompts: list
 
     Raises:
         APIError(400): a bad field or prompt, or beams that cannot fit in the KV pool.
-        APIError(503): the search could not run (the engine was not idle: retry).
+        APIError(503): the search could not run (the engine was not idle: retry), or the engine died (a dead
+            parallel worker: as on the sampling path, /health says so too).
         APIError(500): the search failed.
     """
     params, n, max_tokens = beam_search_params(body)
@@ -192,6 +193,8 @@ async def serve_beam_search(serving, request: Request, body: dict, prompts: list
         return Response(status_code=499)
     _, kind, payload = event
     if kind == "error":
+        if isinstance(payload, APIError):  # 503: the engine died (a dead worker), as on the sampling path
+            raise payload
         if isinstance(payload, ValueError):
             raise APIError(400, str(payload), param="max_tokens" if "KV blocks" in str(payload) else None)
         if isinstance(payload, RuntimeError) and "idle engine" in str(payload):

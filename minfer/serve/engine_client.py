@@ -322,8 +322,12 @@ class MPEngineClient:
                 if status == "done":
                     event = (job_id, "done", pickle.loads(payload))
                 else:
-                    typ, text = payload
-                    event = (job_id, "error", _EXC[typ](text) if typ in _EXC else RuntimeError(f"{typ}: {text}"))
+                    typ, text = payload[:2]
+                    if len(payload) > 2 and payload[2] == 503:  # a dead worker ended the engine: not the job's fault
+                        exc = APIError(503, f"engine error: {typ}: {text}")
+                    else:
+                        exc = _EXC[typ](text) if typ in _EXC else RuntimeError(f"{typ}: {text}")
+                    event = (job_id, "error", exc)
                 self._post_many([(route, event)])
         elif kind == "fatal":
             _, rids, text = msg[:3]

@@ -193,6 +193,10 @@ class EngineCore:
                 result = fn(self.engine)
             except Exception as exc:  # noqa: BLE001 - a failed job answers its own request only
                 logger.info("job %s failed: %s: %s", job_id, type(exc).__name__, exc)
+                if getattr(exc, "fatal", False):  # a dead worker: the job gets a 503, /health too, this process ends
+                    self._send(["job", job_id, "error", [type(exc).__name__, str(exc), 503]])
+                    self._send(["fatal", [], f"engine error: {type(exc).__name__}: {exc}", 503])
+                    raise
                 self._send(["job", job_id, "error", [type(exc).__name__, str(exc)]])
             else:
                 self._send(["job", job_id, "done", pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)])

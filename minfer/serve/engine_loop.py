@@ -242,6 +242,9 @@ class EngineLoop:
             try:
                 result = fn(self.engine)
             except Exception as exc:  # noqa: BLE001 - a failed job answers its own request only
+                if getattr(exc, "fatal", False):  # a dead worker ends the engine: `_end` answers this job 503 too
+                    self._jobs.appendleft((job_id, fn, route))
+                    raise
                 logger.info("job %s failed: %s: %s", job_id, type(exc).__name__, exc)
                 self._post(route, job_id, "error", exc)
             else:
