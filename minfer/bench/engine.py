@@ -691,7 +691,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--quantization: unknown method(s) {bad}; choose from {','.join(QUANT_METHODS)}")
         qcfg = json.loads(args.quantization_config) if args.quantization_config else None
         t0 = time.perf_counter()
-        res = dict(env=environment(), quick=s.num_requests < Settings.full().num_requests,
+        res = dict(env=environment(), quick=bool(args.quick),
                    quant_throughput=run_quant_throughput(methods, s, progress=not args.no_progress,
                                                          quantization_config=qcfg))
         res["elapsed_s"] = time.perf_counter() - t0
