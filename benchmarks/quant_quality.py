@@ -81,6 +81,10 @@ def main(argv=None) -> int:
                      "kv_cache_dtype": "int8"}))
     if args.only:  # in the order given (float32 first: the reference)
         keep = args.only.split(",")
+        unknown = [k for k in keep if k not in {c[0] for c in configs}]
+        if unknown:
+            raise SystemExit(f"--only: unknown configuration(s) {unknown}; choose from "
+                             f"{', '.join(repr(c[0]) for c in configs)}")
         configs = sorted((c for c in configs if c[0] in keep or (c[0] == "float32" and not args.skip_float32)),
                          key=lambda c: -1 if c[0] == "float32" else keep.index(c[0]))
 

@@ -713,7 +713,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.quantization:
         t0 = time.perf_counter()
-        res = dict(env=environment(), quick=s.num_requests < Settings.full().num_requests,
+        res = dict(env=environment(), quick=bool(args.quick),
                    quant_throughput=run_quant_throughput(methods, s, progress=not args.no_progress,
                                                          quantization_config=qcfg))
         res["elapsed_s"] = time.perf_counter() - t0

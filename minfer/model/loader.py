@@ -295,7 +295,9 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
     if quantization == "gguf":
         if source.kind != "gguf":
             raise ValueError(f"quantization='gguf' runs a .gguf file's own blocks, but {source.path} is a "
-                             f"{source.kind} model: use int8 or int4 for it")
+                             f"{source.kind} model: leave quantization unset for a directory that "
+                             f"`python -m minfer.quantize` saved (its config.json says how it is quantized), or "
+                             f"use int8 or int4 to quantize full-precision weights at load time")
         cfg, eos, tensors = load_gguf_blocks(source.path)
         ckpt_dtype = "float32"
     elif source.kind == "gguf":

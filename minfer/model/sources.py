@@ -106,8 +106,8 @@ def resolve_model(name: str) -> ModelSource:
     if re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not name.startswith((".", "/")):
         return ModelSource("hf", _download_from_hub(name), name)
     raise ModelNotFoundError(
-        f"unknown model {name!r}: not the alias {DEFAULT_MODEL!r}, not an existing file or directory, "
-        "and not a hub id of the form 'org/name'")
+        f"unknown model {name!r}: not an alias ({', '.join(repr(a) for a in (*ALIASES, *PACKAGE_ALIASES))}), "
+        "not an existing file or directory, and not a hub id of the form 'org/name'")
 
 
 def _download_from_hub(repo_id: str) -> Path:
