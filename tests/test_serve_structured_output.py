@@ -86,7 +86,8 @@ def test_guided_fields_on_completions(client):
     cases = [({"guided_regex": r"[0-9]{4}-[0-9]{2}"}, lambda t: re.fullmatch(r"[0-9]{4}-[0-9]{2}", t)),
              ({"guided_choice": ["red", "green", "blue"]}, lambda t: t in ("red", "green", "blue")),
              ({"guided_json": PERSON}, lambda t: jsonschema.validate(json.loads(t), PERSON) is None),
-             ({"guided_grammar": 'start: "x=" /[0-9]+/ ";"'}, lambda t: re.fullmatch(r"x=[0-9]+;", t)),
+             # bounded, so that a sampled number must end within max_tokens (an unbounded /[0-9]+/ may not)
+             ({"guided_grammar": 'start: "x=" /[0-9]{1,8}/ ";"'}, lambda t: re.fullmatch(r"x=[0-9]{1,8};", t)),
              ({"structured_outputs": {"choice": ["up", "down"]}}, lambda t: t in ("up", "down"))]
     for fields, ok in cases:
         r = c.post("/v1/completions", json={"model": "m", "prompt": "The answer:", "max_tokens": 40,
