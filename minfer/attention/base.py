@@ -104,13 +104,20 @@ class AttentionBackend(abc.ABC):
     """Where K/V live and how attention reads them. `kv_caches[layer]` is the backend's own per-layer store
     (for the paged backends `[2, num_blocks, block_size, KVH, D]`: K and V). A quantized pool
     (`minfer.attention.kv_quant`) also passes `kv_scales[layer]`, float32 `[2, num_blocks, block_size, KVH]`;
-    None for a float pool."""
+    None for a float pool, with the pool's `spec` (a `KVCacheSpec`) saying how it is quantized.
+
+    Raises (construction): ValueError when a quantized `spec` comes without `kv_scales` or the other way round.
+    """
 
     name: str = "base"
 
-    def __init__(self, kv_caches: list[torch.Tensor], kv_scales: list[torch.Tensor] | None = None):
+    def __init__(self, kv_caches: list[torch.Tensor], kv_scales: list[torch.Tensor] | None = None,
+                 spec: Any = None):
+        if (spec is not None and spec.quantized) != (kv_scales is not None):
+            raise ValueError("a quantized KV pool needs both its KVCacheSpec and its kv_scales (and a float one neither)")
         self.kv_caches = kv_caches
         self.kv_scales = kv_scales
+        self.spec = spec
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:

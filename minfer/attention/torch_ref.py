@@ -68,12 +68,12 @@ class ContiguousBackend(AttentionBackend):
 
     def __init__(self, num_layers: int, max_len: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", kv_cache_dtype: str = "auto"):
-        self.spec = kv_cache_spec(kv_cache_dtype, dtype)
+        spec = kv_cache_spec(kv_cache_dtype, dtype)
         shape = (max_len, num_kv_heads, head_dim)
         scales = ([torch.zeros((2, max_len, num_kv_heads), dtype=SCALE_DTYPE, device=device) for _ in range(num_layers)]
-                  if self.spec.quantized else None)
-        super().__init__([torch.zeros((2, *shape), dtype=self.spec.dtype, device=device) for _ in range(num_layers)],
-                         scales)
+                  if spec.quantized else None)
+        super().__init__([torch.zeros((2, *shape), dtype=spec.dtype, device=device) for _ in range(num_layers)],
+                         scales, spec)
         self.max_len = max_len
 
     @property
@@ -146,10 +146,7 @@ class PagedTorchBackend(AttentionBackend):
 
     def __init__(self, kv_caches: list[torch.Tensor], kv_scales: list[torch.Tensor] | None = None,
                  spec: KVCacheSpec | None = None):
-        super().__init__(kv_caches, kv_scales)
-        if (spec is not None and spec.quantized) != (kv_scales is not None):
-            raise ValueError("a quantized KV pool needs both its KVCacheSpec and its kv_scales (and a float one neither)")
-        self.spec = spec
+        super().__init__(kv_caches, kv_scales, spec)
         self.block_size = kv_caches[0].shape[2]
         self._workspace: torch.Tensor | None = None  # [2, rows, block_size, KVH, D], grown on demand
         self._scale_workspace: torch.Tensor | None = None  # [2, rows, block_size, KVH] (quantized pool)

@@ -71,10 +71,7 @@ class TritonBackend(AttentionBackend):
 
     def __init__(self, kv_caches: list[torch.Tensor], kv_scales: list[torch.Tensor] | None = None,
                  spec: KVCacheSpec | None = None):
-        super().__init__(kv_caches, kv_scales)
-        if (spec is not None and spec.quantized) != (kv_scales is not None):
-            raise ValueError("a quantized KV pool needs both its KVCacheSpec and its kv_scales (and a float one neither)")
-        self.spec = spec
+        super().__init__(kv_caches, kv_scales, spec)
         self._slopes: dict[int, torch.Tensor] = {}
 
     def _alibi(self, layer: Attention, device) -> torch.Tensor | None:
