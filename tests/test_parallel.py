@@ -515,33 +515,45 @@ def _free_port_pair() -> int:
     raise RuntimeError("no two consecutive free ports")
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_torchrun_backend_equals_one_rank(rand_model, tmp_path):
-    """`torchrun --nproc-per-node 2` runs the same script on two ranks; rank 1 becomes the worker inside LLM()."""
-    import json
-    import subprocess
-    import sys
-
-    script = tmp_path / "run.py"
-    script.write_text(
+def _write_torchrun_script(path, model: str):
+    """The script both torchrun tests launch: TP=2 through the torchrun backend, greedy tokens printed."""
+    path.write_text(
         "import json, sys\n"
         "from minfer import LLM, SamplingParams\n"
-        f"llm = LLM(model={rand_model!r}, tensor_parallel_size=2, distributed_executor_backend='torchrun',\n"
+        f"llm = LLM(model={model!r}, tensor_parallel_size=2, distributed_executor_backend='torchrun',\n"
         "          attention_backend='torch', max_model_len=96, kv_cache_memory_bytes=1 << 22, seed=0)\n"
         f"outs = llm.generate({_prompts(3)!r}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))\n"
         "print('RESULT', json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)\n"
         "llm.llm_engine.executor.shutdown()\n")
+    return path
+
+
+def _result_tokens(stdout: str) -> list[list[int]]:
+    import json
+
+    return json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT"))[7:])
+
+
+def _one_rank_tokens(model: str) -> list[list[int]]:
+    llm = LLM(model=model, attention_backend="torch", max_model_len=96, kv_cache_memory_bytes=1 << 22, seed=0)
+    return [o.outputs[0].token_ids for o in llm.generate(_prompts(3), SamplingParams(temperature=0, max_tokens=8,
+                                                                                     ignore_eos=True))]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_torchrun_backend_equals_one_rank(rand_model, tmp_path):
+    """`torchrun --nproc-per-node 2` runs the same script on two ranks; rank 1 becomes the worker inside LLM()."""
+    import subprocess
+    import sys
+
+    script = _write_torchrun_script(tmp_path / "run.py", rand_model)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                         str(_free_port_pair()), str(script)], env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("RESULT"))[7:])
-    llm = LLM(model=rand_model, attention_backend="torch", max_model_len=96, kv_cache_memory_bytes=1 << 22, seed=0)
-    want = [o.outputs[0].token_ids for o in llm.generate(_prompts(3), SamplingParams(temperature=0, max_tokens=8,
-                                                                                      ignore_eos=True))]
-    assert got == want
+    assert _result_tokens(r.stdout) == _one_rank_tokens(rand_model)
 
 
 @pytest.mark.slow
@@ -551,19 +563,10 @@ def test_torchrun_two_nodes_equals_one_rank(rand_model, tmp_path):
     a static rendezvous on MASTER_ADDR, so LOCAL_WORLD_SIZE (1) < WORLD_SIZE (2) and every cross-node rule
     applies (the control connections need MINFER_DIST_AUTHKEY; without it node 0 refuses). Both launchers run
     on this one machine over loopback: the multi-node code path, not a real network."""
-    import json
     import subprocess
     import sys
 
-    script = tmp_path / "run.py"
-    script.write_text(
-        "import json, sys\n"
-        "from minfer import LLM, SamplingParams\n"
-        f"llm = LLM(model={rand_model!r}, tensor_parallel_size=2, distributed_executor_backend='torchrun',\n"
-        "          attention_backend='torch', max_model_len=96, kv_cache_memory_bytes=1 << 22, seed=0)\n"
-        f"outs = llm.generate({_prompts(3)!r}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))\n"
-        "print('RESULT', json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)\n"
-        "llm.llm_engine.executor.shutdown()\n")
+    script = _write_torchrun_script(tmp_path / "run.py", rand_model)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
     def launch(node_rank: int, port: int, key: str | None) -> subprocess.Popen:
@@ -592,11 +595,7 @@ def test_torchrun_two_nodes_equals_one_rank(rand_model, tmp_path):
     assert node0.returncode != 0 and "MINFER_DIST_AUTHKEY" in err, err[-3000:]
     node0, out, err = run_pair("a-shared-secret-for-this-test")
     assert node0.returncode == 0, err[-3000:]
-    got = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT"))[7:])
-    llm = LLM(model=rand_model, attention_backend="torch", max_model_len=96, kv_cache_memory_bytes=1 << 22, seed=0)
-    want = [o.outputs[0].token_ids for o in llm.generate(_prompts(3), SamplingParams(temperature=0, max_tokens=8,
-                                                                                      ignore_eos=True))]
-    assert got == want
+    assert _result_tokens(out) == _one_rank_tokens(rand_model)
 
 
 @pytest.mark.slow
