@@ -142,15 +142,14 @@ class CpuFusedSampler(Sampler):
         if any(p.needs_logits_processing for p in params):
             logits = apply_logits_processors(logits, seqs)
         greedy = [p.greedy for p in params]
-        uniform = torch.zeros(b)
-        if not all(greedy):
-            gens = [self.generator_for(s, "cpu") for s in seqs]
-            unseeded = [i for i, (g, gr) in enumerate(zip(gens, greedy)) if g is None and not gr]
-            if unseeded:
-                uniform[unseeded] = torch.rand(len(unseeded), generator=self.generator)
-            for i, g in enumerate(gens):
-                if g is not None:
-                    uniform[i] = torch.rand(1, generator=g)
+        uniform = torch.zeros(b)  # some row samples (an all-greedy batch returned above)
+        gens = [self.generator_for(s, "cpu") for s in seqs]
+        unseeded = [i for i, (g, gr) in enumerate(zip(gens, greedy)) if g is None and not gr]
+        if unseeded:
+            uniform[unseeded] = torch.rand(len(unseeded), generator=self.generator)
+        for i, g in enumerate(gens):
+            if g is not None:
+                uniform[i] = torch.rand(1, generator=g)
         vocab = logits.shape[1]
         want_lp = [p.logprobs for p in params]
         tokens, chosen = fused_sample_cpu(
