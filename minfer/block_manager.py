@@ -138,24 +138,28 @@ class BlockManager:
         """Name the sequence's full blocks whose K/V are all computed, so later requests can hit them."""
         if not self.enable_prefix_caching:
             return
-        bs = self.block_size
-        n_full = seq.num_computed_tokens // bs
-        hashes = seq.block_hashes
-        if len(hashes) >= n_full:
-            return
-        toks = seq.all_token_ids
-        parent = hashes[-1] if hashes else None
         dead = self.window_freed.get(seq.seq_id, 0)
-        for i in range(len(hashes), n_full):
+        for i, parent, chunk in self._new_full_blocks(seq):
+            if i >= dead:  # below `dead`: released out of the window, the entry is a placeholder
+                self._name_block(seq.block_table[i], parent, chunk)
+
+    def _new_full_blocks(self, seq: Sequence):
+        """Yield `(index, chain hash, token ids)` of each full block whose K/V are computed and that has no
+        hash yet, appending the hashes to `seq.block_hashes` as it goes (consume it whole)."""
+        bs, hashes, toks = self.block_size, seq.block_hashes, seq.all_token_ids
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), seq.num_computed_tokens // bs):
             chunk = tuple(toks[i * bs:(i + 1) * bs])
             parent = block_hash(parent, chunk)
             hashes.append(parent)
-            if i < dead:
-                continue  # released out of the window: the entry is a placeholder, not this block
-            blk = self.blocks[seq.block_table[i]]
-            if blk.hash is None and parent not in self.cached:
-                blk.hash, blk.token_ids = parent, chunk
-                self.cached[parent] = blk.block_id
+            yield i, parent, chunk
+
+    def _name_block(self, block_id: int, key, chunk: tuple[int, ...]) -> None:
+        """Cache block `block_id` under `key` unless it already has a name or another block holds `key`."""
+        blk = self.blocks[block_id]
+        if blk.hash is None and key not in self.cached:
+            blk.hash, blk.token_ids = key, chunk
+            self.cached[key] = block_id
 
     # -- sequences ------------------------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] | None = None) -> bool:

@@ -44,7 +44,7 @@ placeholders, so a swapped-in sequence never names a block that holds no K/V).
 from __future__ import annotations
 
 from minfer.attention.grouped import KVCacheLayout
-from minfer.block_manager import BlockManager, NoFreeBlocksError, block_hash
+from minfer.block_manager import BlockManager, NoFreeBlocksError
 from minfer.sequence import Sequence
 
 def hybrid_block_manager(layout: KVCacheLayout, num_blocks: int, block_size: int, num_cpu_blocks: int,
@@ -131,26 +131,13 @@ class HybridBlockManager(BlockManager):
 
     def register_computed_blocks(self, seq: Sequence) -> None:
         """Name every group's full, computed blocks `(group, chain hash)`; placeholders are skipped."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or len(seq.block_hashes) >= seq.num_computed_tokens // self.block_size:
             return
-        bs = self.block_size
-        n_full = seq.num_computed_tokens // bs
-        hashes = seq.block_hashes
-        if len(hashes) >= n_full:
-            return
-        toks, freed, tables = seq.all_token_ids, self._freed(seq), self.tables(seq)
-        parent = hashes[-1] if hashes else None
-        for i in range(len(hashes), n_full):
-            chunk = tuple(toks[i * bs:(i + 1) * bs])
-            parent = block_hash(parent, chunk)
-            hashes.append(parent)
+        freed, tables = self._freed(seq), self.tables(seq)
+        for i, parent, chunk in self._new_full_blocks(seq):
             for g, table in enumerate(tables):
-                if i < freed[g]:
-                    continue  # a placeholder, not a block holding these tokens
-                blk = self.blocks[table[i]]
-                if blk.hash is None and (g, parent) not in self.cached:
-                    blk.hash, blk.token_ids = (g, parent), chunk
-                    self.cached[(g, parent)] = blk.block_id
+                if i >= freed[g]:  # below freed[g]: a placeholder, not a block holding these tokens
+                    self._name_block(table[i], (g, parent), chunk)
 
     # -- sequences --------------------------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, num_new_tokens: int, hits: list | None = None) -> bool:
