@@ -18,12 +18,14 @@ changes is how the loss moves past position 512. The loss of token t+1 given tok
 
 `--smollm2` runs the same experiment on SmolLM2-135M-Instruct (trained context 8,192 tokens, RoPE base 1e5),
 the default model: no scaling, linear, NTK-aware and YaRN, each with the factor that stretches 8,192 to
-`--length` (default 10,240 = 1.25x: one forward over 10k tokens per method is what two shared CPU cores
-afford, several minutes each; 4x, 32k tokens, would take hours there). The text is the Python documentation that
-CPython ships as `pydoc_data/topics.py` (the reference's topics, joined in key order; PSF License), one
-segment of `--length` tokens. The RoPE module of the loaded model is swapped per method; nothing else changes.
+`--length` (default 10,240 = 1.25x, about 2 min per method on a quiet 2-core machine; `--length 32768` = 4x took
+about 345 s per method there, 23 min in all, with torch's flash SDPA keeping the 32k x 32k scores out of
+memory). The text is the Python documentation that CPython ships as `pydoc_data/topics.py` (the reference's
+topics, joined in key order; PSF License), one segment of `--length` tokens. The RoPE module of the loaded model
+is swapped per method; nothing else changes.
 
     python3 benchmarks/positions_scaling.py --smollm2   # assets/benchmarks/positions_scaling_smollm2.json
+    python3 benchmarks/positions_scaling.py --smollm2 --length 32768 --out assets/benchmarks/positions_scaling_smollm2_4x.json
 
 `--tiny` tests ALiBi's extrapolation claim on two tiny byte-level models trained for it by
 `benchmarks/train_tiny_positions.py` (one RoPE, one ALiBi, same text and budget, 128-token windows; no
