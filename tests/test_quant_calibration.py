@@ -433,3 +433,25 @@ def test_saved_gptq_tensors_are_checked_at_load(tiny, tmp_path):
             LLM(model=str(d), max_model_len=64, kv_cache_memory_bytes=1 << 20)
     save_file(good, str(d / "model.safetensors"))  # the untouched tensors still load
     LLM(model=str(d), max_model_len=64, kv_cache_memory_bytes=1 << 20)
+
+
+def test_saved_awq_with_non_finite_scales_is_refused(tiny, tmp_path):
+    """An AWQ directory whose `scales` hold a NaN or an inf is refused at load, naming the tensor (unchecked,
+    the layer's every output would be NaN and generation would emit token 0)."""
+    from safetensors.torch import load_file, save_file
+
+    from minfer import LLM
+    from minfer.quantize import quantize_model
+
+    d = tmp_path / "a"
+    quantize_model(tiny, "awq", 32, d, use_tqdm=False, calib_text=_text(100), n_samples=2, seq_len=32)
+    good = load_file(str(d / "model.safetensors"))
+    name = "model.layers.1.self_attn.o_proj.scales"
+    for value in (float("nan"), float("inf")):
+        bad = good[name].clone()
+        bad.view(-1)[3] = value
+        save_file({**good, name: bad}, str(d / "model.safetensors"))
+        with pytest.raises(ValueError, match=r"o_proj\.scales has 1 non-finite"):
+            LLM(model=str(d), max_model_len=64, kv_cache_memory_bytes=1 << 20)
+    save_file(good, str(d / "model.safetensors"))
+    LLM(model=str(d), max_model_len=64, kv_cache_memory_bytes=1 << 20)

@@ -74,7 +74,8 @@ def unpack_checkpoint(named: Iterable[tuple[str, torch.Tensor]], qcfg: dict, sou
     input order int64 `[in]` the codes' columns are in, `formats.unpack_gptq`).
 
     Raises:
-        ValueError: a linear with some of qweight/qzeros/scales but not all (names the missing ones).
+        ValueError: a linear with some of qweight/qzeros/scales but not all (names the missing ones), or
+            non-finite (NaN/inf) scales.
     """
     groups: dict[str, dict[str, torch.Tensor]] = {}
     for name, t in named:
@@ -96,6 +97,10 @@ def unpack_checkpoint(named: Iterable[tuple[str, torch.Tensor]], qcfg: dict, sou
                 q, s, zp, perm = formats.unpack_gptq(t, qcfg["bits"])
             except ValueError as e:
                 raise ValueError(f"{source}: {prefix}: {e}") from None
+        if not torch.isfinite(s.float()).all():  # NaN/inf scales would turn every output of the layer to NaN
+            bad = int((~torch.isfinite(s.float())).sum())
+            raise ValueError(f"{source}: {prefix}.scales has {bad} non-finite value(s) (NaN or inf): the "
+                             "quantized checkpoint is corrupt")
         if qcfg["bits"] == 8:
             codes, scale = formats.to_minfer_int8(q, s, zp)
             codes.prequant = ("int8", scale, None, perm)
