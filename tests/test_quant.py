@@ -67,14 +67,26 @@ def test_routes_match_dequantize_then_matmul(method, out, k, rows):
     x = torch.randn(2, rows, k, generator=torch.Generator().manual_seed(rows))
     y = layer(x)
     assert y.shape == (2, rows, out) and y.dtype == torch.float32
-    ref = reference(x.reshape(-1, k), m.dequantize(layer, torch.float32)).view(2, rows, out) + layer.bias
+    x2 = x.reshape(-1, k)
+    if layer.qg_format is not None:  # the CPU's integer GEMM: activations rounded to int8 blocks of 32
+        from minfer.quantization.base import packed
+        from minfer.quantization.qgemm import quantize_activations, reference_matmul
+
+        ref = reference_matmul(x2, packed(layer)).float().view(2, rows, out) + layer.bias
+        tol = 1e-5
+        qx, dx = quantize_activations(x2)
+        x_err = (qx.float() * dx[..., None] - x2.view(len(x2), -1, 32)).reshape(2, rows, k).norm(dim=-1, keepdim=True)
+    else:  # torch's packed ops / the dequantize route: bfloat16 activations and output
+        ref = reference(x2, m.dequantize(layer, torch.float32)).view(2, rows, out) + layer.bias
+        tol = 1e-2  # bf16 output: ~2^-8 relative
+        x_err = x.norm(dim=-1, keepdim=True) * 2 ** -8
     scale = ref.abs().max()
-    assert float((y - ref).abs().max()) <= 1e-2 * float(scale)  # bf16 output: ~2^-8 relative
+    assert float((y - ref).abs().max()) <= tol * float(scale)
     # and the quantized product is off the float one by at most what the weight error can do (Cauchy-Schwarz:
-    # |x . (w_n - w_hat_n)| <= |x| |w_n - w_hat_n|), plus the bfloat16 roundings of x and y
+    # |x . (w_n - w_hat_n)| <= |x| |w_n - w_hat_n|), plus the roundings of x (and y)
     full = F.linear(x, w) + layer.bias
     w_err = (m.dequantize(layer, torch.float32) - w).norm(dim=1)  # [out]
-    bound = x.norm(dim=-1, keepdim=True) * (w_err + w.norm(dim=1) * 2 ** -8) + full.abs() * 2 ** -7 + 1e-4
+    bound = x.norm(dim=-1, keepdim=True) * w_err + x_err * w.norm(dim=1) + full.abs() * 2 ** -7 + 1e-4
     assert bool(((y - full).abs() <= bound).all())
 
 

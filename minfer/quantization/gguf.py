@@ -59,9 +59,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from minfer.model.linear_method import LinearMethodBase, UnquantizedLinearMethod
-from minfer.quantization.base import KERNEL_MAX_ROWS, store
-from minfer.quantization.gguf_matmul import (KERNEL_TYPES, dequantize_blocks, gguf_kernel_available, gguf_matmul,
-                                             matmul_unchecked, repack_blocks)
+from minfer.quantization.base import KERNEL_MAX_ROWS, packed, store
+from minfer.quantization.gguf_matmul import KERNEL_TYPES, pack_gguf, repack_blocks
+from minfer.quantization.qgemm import dequantize_rows, qgemm_available, qgemm_unchecked
 from minfer.quantization.int4 import Int4LinearMethod
 from minfer.quantization.int8_group import (Int8GroupKernelUnavailable, dequantize_int8_group, int8_group_matmul)
 
@@ -208,7 +208,7 @@ class GGUFLinearMethod(LinearMethodBase):
         if kernel not in ("blocks", "torch"):
             raise ValueError(f"gguf kernel must be 'blocks' or 'torch', got {kernel!r}")
         self.fallback = fallback or UnquantizedLinearMethod()
-        self.int4 = Int4LinearMethod(group_size=BLOCK, fallback=self.fallback)
+        self.int4 = Int4LinearMethod(group_size=BLOCK, fallback=self.fallback, cpu_kernel=kernel == "blocks")
         self.kernel_max_rows = kernel_max_rows
         self.kernel = kernel
 
@@ -238,16 +238,15 @@ class GGUFLinearMethod(LinearMethodBase):
         parts = [layer.gguf_parts[i] for i in range(len(layer.output_sizes))]
         layer.gguf_parts = {}
         types = {getattr(p, "ggml_type", "float") for p in parts}
-        if len(types) == 1 and types <= set(KERNEL_TYPES) and self.kernel == "blocks" and gguf_kernel_available():
-            planes = [repack_blocks(p, p.ggml_type) for p in parts]
+        if len(types) == 1 and types <= set(KERNEL_TYPES) and self.kernel == "blocks" and qgemm_available():
             layer.ggml_type = types.pop()
             layer.model_dtype = layer.weight.dtype  # the model's dtype (the placeholder was built in it)
             del layer.weight
-            for i, name in enumerate(("qs", "d", "m")):
-                store(layer, name, torch.cat([pl[i] for pl in planes]).contiguous() if planes[0][i] is not None else None)
+            w = pack_gguf([repack_blocks(p, p.ggml_type) for p in parts], layer.ggml_type)
+            for name, t in w.tensors().items():
+                store(layer, name, t)
+            layer.qg_format = (w.bits, w.offset, w.bf16, w.group, w.n, w.k)
             layer.quantized, layer.gguf_route = True, "blocks"
-            if layer.in_features:  # check the planes once here: apply calls the kernel without checks
-                gguf_matmul(torch.zeros(1, layer.in_features), layer.qs, layer.d, layer.m, layer.ggml_type)
             return
         if types <= set(INT4_TYPES) and not layer.keep_rows:
             decoded = [decode_q4_blocks(p, p.ggml_type) for p in parts]
@@ -276,9 +275,9 @@ class GGUFLinearMethod(LinearMethodBase):
         if layer.gguf_route == "blocks":
             x2 = x.reshape(-1, layer.in_features)
             if x2.device.type == "cpu":
-                y = matmul_unchecked(x2, layer.qs, layer.d, layer.m, layer.ggml_type).to(x.dtype)
+                y = qgemm_unchecked(x2, packed(layer)).to(x.dtype)
             else:
-                y = F.linear(x2, dequantize_blocks(layer.qs, layer.d, layer.m, layer.ggml_type, x.dtype))
+                y = F.linear(x2, dequantize_rows(packed(layer), dtype=x.dtype))
             if layer.bias is not None:
                 y = y + layer.bias
             return y.view(*x.shape[:-1], layer.out_features)
@@ -300,9 +299,8 @@ class GGUFLinearMethod(LinearMethodBase):
         return y.view(*x.shape[:-1], layer.out_features)
 
     def weight_rows(self, layer, ids: torch.Tensor) -> torch.Tensor:
-        if layer.gguf_route == "blocks":  # only the rows asked for are expanded
-            m = layer.m[ids] if layer.m is not None else None
-            return dequantize_blocks(layer.qs[ids], layer.d[ids], m, layer.ggml_type, layer.model_dtype)
+        if layer.gguf_route == "blocks":  # only the rows asked for are expanded (gguf's numbers exactly)
+            return dequantize_rows(packed(layer), ids, layer.model_dtype)
         if layer.gguf_route == "int8_group":  # only the rows asked for are expanded
             return dequantize_int8_group(layer.qweight[ids], layer.scales[ids]).to(layer.model_dtype)
         return (self.int4 if layer.quantized else self.fallback).weight_rows(layer, ids)
