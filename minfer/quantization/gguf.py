@@ -15,13 +15,15 @@ llama.cpp's blocks (ggml-common.h; q are the stored codes):
 Three routes. The default, for Q4_0, Q4_1 and Q8_0 (SmolLM2-135M's file is all Q4_1 with a Q8_0 embedding/head),
 where the C++ kernel builds:
 
-- **blocks** (`minfer.quantization.gguf_matmul`, chapter 5 §5.3): the file's bytes, repacked into planes of the
-  same size, times float32 activations that the kernel quantizes to int8 blocks of 32 per call (llama.cpp's
-  method: integer dot products, one float multiply-add per block). Bytes read per token = the file's. The
-  activation rounding is the one approximation (bounded in `tests/test_gguf_matmul.py`). Every batch size
-  takes the kernel on the CPU (it reads each weight row once per call at any batch, and one code path keeps
-  a row's logits independent of the batch); other devices dequantize + `F.linear`. A tied head in one of these
-  types stays blocks too (the embedding expands only the rows it looks up).
+- **blocks** (`minfer.quantization.qgemm`, chapter 5 §5.3): the file's codes and float16 scales, packed once
+  into the register-tiled integer GEMM's layout (`gguf_matmul.pack_gguf`: the same bytes per weight), times
+  float32 activations that the kernel quantizes to int8 blocks of 32 per call (llama.cpp's method: integer
+  dot products, one float multiply-add per block). Bytes read per token = the file's. The activation
+  rounding is the one approximation (bounded in `tests/test_qgemm.py`). Every batch size takes the kernel on
+  the CPU (a register tile of 4 rows x 32 columns: faster than float32 sgemm at every T measured, and one
+  code path keeps a row's logits independent of the batch); other devices dequantize + `F.linear`. A tied
+  head in one of these types (SmolLM2's Q8_0 head) stays packed too: the embedding expands only the rows it
+  looks up (`qgemm.dequantize_rows`, gguf's numbers exactly).
 
 `quantization_config={"kernel": "torch"}` (or a machine without a C++ compiler) takes the two older routes,
 each exact up to a stated rounding, which also run the types the kernel does not (Q4_K, Q5_0, Q6_K):
@@ -44,8 +46,8 @@ codes: q = round(w / s), exact because w = q s was computed in float32 from a sm
 whose parts mix the two routes (none in SmolLM2's or Gemma 3's files) and other tensor types (F32, F16,
 ...) are expanded to float32 and run by the fallback layout. A tied LM head in a 4-bit type stays float (the
 embedding reads its rows); one in Q8_0 (SmolLM2-135M's Q4_1 file and Gemma 3's store their embedding/head so)
-stays int8 codes: the embedding expands only the rows it looks up, and the head's product always takes the
-kernel (measured faster than float32 sgemm there, chapter 5 §5.3).
+stays int8 codes on the `kernel: "torch"` route: the embedding expands only the rows it looks up, and the
+head's product always takes the int8-group kernel (measured faster than float32 sgemm there, chapter 5 §5.3).
 
 The loader (`minfer.model.loader`) hands these tensors over as their raw bytes, `uint8 [out, bytes]` tagged
 with `ggml_type`, through `gguf_tensors`.
@@ -195,8 +197,9 @@ class GGUFLinearMethod(LinearMethodBase):
     (`layer.gguf_route` "int4" or "int8_group"), anything else into a float weight for the fallback.
 
     Args:
-        kernel: "blocks" (default: Q4_0 / Q4_1 / Q8_0 layers in the file's bytes through `gguf_matmul`, where
-            its C++ kernel builds) or "torch" (the int4 op and int8 codes only).
+        kernel: "blocks" (default: Q4_0 / Q4_1 / Q8_0 layers in the file's bytes through the integer GEMM
+            `qgemm`, where its C++ kernel builds; Q4_K through the same kernel as int4 groups) or "torch" (the
+            int4 op and int8 codes only).
         kernel_max_rows: most rows per call that the int8-group C++ kernel takes; more go through one
             dequantize + `F.linear` (chapter 5 measures the crossover).
     """
