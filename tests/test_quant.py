@@ -212,7 +212,12 @@ def test_engine_greedy_equals_simple_path(quantization, config):
     # bfloat16 step now and then: measured, 'def fibonacci(n):' flips at token 13, where the two best tokens
     # are 0.051 nats apart, in some runs and not others. So the check is: identical tokens,
     # or identical up to such a measured near-tie. (Recompute, which re-runs decoded tokens as a prefill
-    # through the other route, gives more such flips; chapter 5 says so.)
+    # through the other route, gives more such flips; chapter 5 says so.) On the CPU every method now rounds
+    # activations to int8 blocks of 32 (the integer GEMM, chapter 5 §5.3), which is batch-invariant itself but
+    # turns the float32 model's own engine-vs-simple differences (measured: up to 2.4e-5 nats in the
+    # log-probs, the attention path) into up to 0.15 nats by the first decode step, wherever an activation
+    # sits on a rounding boundary: measured, gguf flipped on 2 of the 4 prompts (fibonacci at token 13, the
+    # robot story at token 6), each at a near-tie. So up to 2 flips, each at a near-tie.
     llm = LLM(quantization=quantization, quantization_config=config, max_model_len=64, block_size=16,
               kv_cache_memory_bytes=6 * 16 * 30 * 2 * 3 * 64 * 4, seed=0, preemption_mode="swap", swap_space=0.05)
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
@@ -221,7 +226,7 @@ def test_engine_greedy_equals_simple_path(quantization, config):
     for p, o in zip(PROMPTS, outs):
         simple, _ = llm.generate_simple(p, sp)
         flips += assert_same_until_a_near_tie(o.outputs[0], simple.outputs[0], p) is not None
-    assert flips <= 1
+    assert flips <= 2
     stats = llm.stats()
     assert stats.num_preemptions > 0  # the batched run really was preempted
     layer = llm.llm_engine.worker.model.model.layers[0].mlp.gate_up_proj
