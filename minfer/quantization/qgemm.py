@@ -6,7 +6,8 @@
     8-bit   w = q d               q in -128..127   GGUF Q8_0 (groups of 32), int8 (one group = the whole row)
 
 Each activation row is quantized once per call to int8 in blocks of 32 (`quantize_activations`: dx =
-max|x| / 127, q = round(x / dx), and the block's integer sum); a register tile of 4 rows x 32 columns then
+max|x| / 127, q = round(x / dx), and the block's integer sum); a register tile of 4 rows x 32 columns (16 on
+AVX2) then
 sums integer products (AVX-512 VNNI `dpbusd`, or AVX2 `maddubs` + `madd`, chosen at run time) and turns each
 32-block's exact sum into floats with the column's scale and the row's dx (the C++ header says how).
 

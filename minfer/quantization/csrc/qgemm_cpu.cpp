@@ -37,7 +37,8 @@
 // when T x K is large (at T = 2048 it is ~3 M values per call, which a scalar loop would make a third of the
 // call's time).
 //
-// Work split: OpenMP over (chunks of 64 rows) x (pairs of column tiles); inside, row tiles of 4. A chunk's
+// Work split: OpenMP over (chunks of 64 rows) x (pairs of column tiles on VNNI, single tiles on AVX2, whose 16
+// ymm registers hold one 4 x 16 tile); inside, row tiles of 4. A chunk's
 // activations (64 x K bytes) stay in L2 while all column tiles stream past; at T = 1 this is one pass over
 // the weight, split across threads by columns (decode is bound by memory bandwidth).
 //
