@@ -14,10 +14,10 @@ quantizes it once in `process_weights_after_loading`, and then runs one route pe
   bfloat16 roundings;
 - other devices: `device_kernel` (dequantize + `F.linear`; int4's Triton W4A16 kernel on a GPU).
 
-A tied LM head (`layer.keep_rows`, the embedding reads its rows) keeps the model's float layout for the
-embedding's exact rows, and on the CPU its product runs as int8 codes through the integer GEMM (`pack_head`:
-measured 6x faster than float32 sgemm at 1 row, chapter 5 §5.3; vLLM leaves the head unquantized unless
-asked, minfer measured and chose the codes). Elsewhere the head's product is the float fallback's.
+A tied LM head (`layer.keep_rows`, the embedding reads its rows) stays in the model's float layout, as in
+vLLM, where the LM head is not quantized unless asked. (Measured, chapter 5 §5.3: as int8 codes through the
+integer GEMM its product would be 6x faster at 1 row; not routed, since the embedding would then need the
+float table kept beside the codes.)
 """
 
 from __future__ import annotations
@@ -105,42 +105,15 @@ class QuantizedLinearMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer) -> None:
         if layer.keep_rows:
-            head = self.pack_head(layer)  # from the plain weight, before the fallback repacks it
-            self.fallback.process_weights_after_loading(layer)  # the embedding's exact rows
-            layer.qg_format = None
-            if head is not None:
-                for name, t in head.tensors().items():
-                    store(layer, name, t)
-                layer.qg_format = (head.bits, head.offset, head.bf16, head.group, head.n, head.k)
+            self.fallback.process_weights_after_loading(layer)
             return
         w = layer.weight.data.float()
         self.quantize(layer, w)
         del layer.weight  # the float copy goes: only the codes stay resident
         layer.quantized = True
 
-    def pack_head(self, layer) -> PackedWeight | None:
-        """A tied head's product as int8 codes for the integer GEMM (CPU, kernel built, `cpu_kernel`), or None.
-
-        Measured (chapter 5 §5.3): SmolLM2's 49,152 x 576 head takes 10.2 ms per decode token in float32 and
-        1.6 ms as int8 codes through the integer GEMM (40 ms against 8.4 ms at 64 rows). The float table stays
-        too (the embedding reads exact rows from it), so the codes cost 1 byte per weight more in memory and
-        save 3 per weight read. int8 whatever the method (int4 too): the head's rounding is int8's."""
-        w = layer.weight
-        if not (self.cpu_kernel and w.device.type == "cpu" and layer.in_features % 32 == 0 and qgemm_available()):
-            return None
-        from minfer.quantization.int8 import quantize_int8
-        from minfer.quantization.qgemm import pack
-
-        q, scale = quantize_int8(w.data.float())
-        return pack(q, scale[:, None], None, 8)
-
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         if not layer.quantized:
-            if getattr(layer, "qg_format", None) is not None and x.device.type == "cpu":  # the tied head
-                y = qgemm_unchecked(x.reshape(-1, layer.in_features), packed(layer)).to(x.dtype)
-                if layer.bias is not None:
-                    y = y + layer.bias
-                return y.view(*x.shape[:-1], layer.out_features)
             return self.fallback.apply(layer, x)
         x2 = x.reshape(-1, layer.in_features)
         if getattr(layer, "qg_format", None) is not None and x2.device.type == "cpu":
