@@ -132,8 +132,8 @@ def test_linear_method_blocks_route(ggml_type):
     from minfer.model.layers import Linear
     from minfer.quantization.gguf import GGUFLinearMethod
 
-    (raw_a, ref_a), (raw_b, ref_b) = _blocks(ggml_type, 16, 64, seed=1), _blocks(ggml_type, 8, 64, seed=2)
-    lin = Linear(64, output_sizes=[16, 8], method=GGUFLinearMethod())
+    (raw_a, ref_a), (raw_b, ref_b) = _blocks(ggml_type, 16, 64, seed=1), _blocks(ggml_type, 16, 64, seed=2)
+    lin = Linear(64, output_sizes=[16, 16], method=GGUFLinearMethod())
     for shard, raw in enumerate((raw_a, raw_b)):
         raw.ggml_type = ggml_type
         lin.weight.weight_loader(lin.weight, raw, shard)
@@ -142,13 +142,16 @@ def test_linear_method_blocks_route(ggml_type):
     assert sum(b.numel() * b.element_size() for b in lin.buffers()) == raw_a.numel() + raw_b.numel()
     x = torch.randn(5, 64)
     w = torch.cat([ref_a, ref_b])
-    qs, d, m = (torch.cat([a, b]) if a is not None else None
-                for a, b in zip(repack_blocks(raw_a, ggml_type), repack_blocks(raw_b, ggml_type)))
-    assert torch.equal(lin(x), gguf_matmul(x, qs, d, m, ggml_type))
-    ids = torch.tensor([3, 20, 0])
+    # the integer GEMM's tiles (N a multiple of 16: no padding columns, so exactly the file's bytes)
+    from minfer.quantization.gguf_matmul import pack_gguf
+    from minfer.quantization.qgemm import qgemm
+
+    assert torch.equal(lin(x), qgemm(x, pack_gguf([repack_blocks(raw_a, ggml_type), repack_blocks(raw_b, ggml_type)],
+                                                  ggml_type)))
+    ids = torch.tensor([3, 20, 0, 31])
     assert torch.equal(lin.method.weight_rows(lin, ids), w[ids])
     # the older route on request
-    old = Linear(64, output_sizes=[16, 8], method=GGUFLinearMethod(kernel="torch"))
+    old = Linear(64, output_sizes=[16, 16], method=GGUFLinearMethod(kernel="torch"))
     for shard, raw in enumerate((raw_a, raw_b)):
         old.weight.weight_loader(old.weight, raw, shard)
     old.method.process_weights_after_loading(old)

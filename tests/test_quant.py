@@ -67,14 +67,26 @@ def test_routes_match_dequantize_then_matmul(method, out, k, rows):
     x = torch.randn(2, rows, k, generator=torch.Generator().manual_seed(rows))
     y = layer(x)
     assert y.shape == (2, rows, out) and y.dtype == torch.float32
-    ref = reference(x.reshape(-1, k), m.dequantize(layer, torch.float32)).view(2, rows, out) + layer.bias
+    x2 = x.reshape(-1, k)
+    if layer.qg_format is not None:  # the CPU's integer GEMM: activations rounded to int8 blocks of 32
+        from minfer.quantization.base import packed
+        from minfer.quantization.qgemm import quantize_activations, reference_matmul
+
+        ref = reference_matmul(x2, packed(layer)).float().view(2, rows, out) + layer.bias
+        tol = 1e-5
+        qx, dx = quantize_activations(x2)
+        x_err = (qx.float() * dx[..., None] - x2.view(len(x2), -1, 32)).reshape(2, rows, k).norm(dim=-1, keepdim=True)
+    else:  # torch's packed ops / the dequantize route: bfloat16 activations and output
+        ref = reference(x2, m.dequantize(layer, torch.float32)).view(2, rows, out) + layer.bias
+        tol = 1e-2  # bf16 output: ~2^-8 relative
+        x_err = x.norm(dim=-1, keepdim=True) * 2 ** -8
     scale = ref.abs().max()
-    assert float((y - ref).abs().max()) <= 1e-2 * float(scale)  # bf16 output: ~2^-8 relative
+    assert float((y - ref).abs().max()) <= tol * float(scale)
     # and the quantized product is off the float one by at most what the weight error can do (Cauchy-Schwarz:
-    # |x . (w_n - w_hat_n)| <= |x| |w_n - w_hat_n|), plus the bfloat16 roundings of x and y
+    # |x . (w_n - w_hat_n)| <= |x| |w_n - w_hat_n|), plus the roundings of x (and y)
     full = F.linear(x, w) + layer.bias
     w_err = (m.dequantize(layer, torch.float32) - w).norm(dim=1)  # [out]
-    bound = x.norm(dim=-1, keepdim=True) * (w_err + w.norm(dim=1) * 2 ** -8) + full.abs() * 2 ** -7 + 1e-4
+    bound = x.norm(dim=-1, keepdim=True) * w_err + x_err * w.norm(dim=1) + full.abs() * 2 ** -7 + 1e-4
     assert bool(((y - full).abs() <= bound).all())
 
 
@@ -200,7 +212,12 @@ def test_engine_greedy_equals_simple_path(quantization, config):
     # bfloat16 step now and then: measured, 'def fibonacci(n):' flips at token 13, where the two best tokens
     # are 0.051 nats apart, in some runs and not others. So the check is: identical tokens,
     # or identical up to such a measured near-tie. (Recompute, which re-runs decoded tokens as a prefill
-    # through the other route, gives more such flips; chapter 5 says so.)
+    # through the other route, gives more such flips; chapter 5 says so.) On the CPU every method now rounds
+    # activations to int8 blocks of 32 (the integer GEMM, chapter 5 §5.3), which is batch-invariant itself but
+    # turns the float32 model's own engine-vs-simple differences (measured: up to 2.4e-5 nats in the
+    # log-probs, the attention path) into up to 0.15 nats by the first decode step, wherever an activation
+    # sits on a rounding boundary: measured, gguf flipped on 2 of the 4 prompts (fibonacci at token 13, the
+    # robot story at token 6), each at a near-tie. So up to 2 flips, each at a near-tie.
     llm = LLM(quantization=quantization, quantization_config=config, max_model_len=64, block_size=16,
               kv_cache_memory_bytes=6 * 16 * 30 * 2 * 3 * 64 * 4, seed=0, preemption_mode="swap", swap_space=0.05)
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
@@ -209,7 +226,7 @@ def test_engine_greedy_equals_simple_path(quantization, config):
     for p, o in zip(PROMPTS, outs):
         simple, _ = llm.generate_simple(p, sp)
         flips += assert_same_until_a_near_tie(o.outputs[0], simple.outputs[0], p) is not None
-    assert flips <= 1
+    assert flips <= 2
     stats = llm.stats()
     assert stats.num_preemptions > 0  # the batched run really was preempted
     layer = llm.llm_engine.worker.model.model.layers[0].mlp.gate_up_proj

@@ -87,10 +87,10 @@ def test_int4_method_device_route_is_the_kernel(device):
         layer.process_weights_after_loading()
         x = torch.randn(3, 96)
         codes = method.codes(layer)
-        sz = layer.scales_and_zeros.transpose(0, 1)
+        sz = method.scales_and_zeros(layer).transpose(0, 1)
         ref = w4a16_reference(x, codes, sz[..., 0], sz[..., 1])
         _close(method.device_kernel(layer, x.to(device)).cpu(), ref)
-        # the CPU's own route at 3 rows (torch's packed int4 op, bfloat16 out) computes the same product
+        # the CPU's own route (the integer GEMM: activations rounded to int8 blocks) computes the same product
         cpu = method.apply(layer, x)
         assert (cpu - ref).abs().max() <= 1e-2 * ref.abs().max()
 

@@ -18,8 +18,9 @@ Four parts, each compared with a baseline measured in the same run (ratios, neve
 
 With `--quantization` the benchmark is instead part 1's engine run with weight-quantized models beside the
 float32 one, the same workload in the same process (chapter 5): output tokens/s per method, its ratio to
-float32, and how many tokens each engine step carried (which says which matmul route ran: the packed kernel
-for steps of at most `KERNEL_MAX_ROWS` tokens, dequantize-then-sgemm above; `run_quant_throughput`).
+float32, and how many tokens each engine step carried (`run_quant_throughput`). On a CPU where the integer
+GEMM builds, every step takes it (`minfer.quantization.base`); the "kernel route" column counts the steps of
+at most `KERNEL_MAX_ROWS` tokens, the split that only the fallback without that kernel still makes.
 
 Every `run_*` function is importable (the chapter 6 notebook calls them with small settings) and returns a
 plain dict; `main` prints a table and can write it all as JSON.

@@ -1,19 +1,23 @@
 """What the weight-quantization methods share: a `LinearMethod` that loads the checkpoint's float weight,
-quantizes it once in `process_weights_after_loading`, and then runs one of two routes per call:
+quantizes it once in `process_weights_after_loading`, and then runs one route per device:
 
-- the kernel route (few rows: decode): torch's packed CPU ops (`_weight_int8pack_mm`,
-  `_weight_int4pack_mm_for_cpu`) on bfloat16 activations. They stream 1 or 0.5 byte per weight instead of 4,
-  which is what decode, bound by memory bandwidth, is paid for. Measured on 2 cores (chapter 5): with float32
-  activations the same ops are 5-20x slower than float32 sgemm, with bfloat16 ones 1.7-2.4x faster.
-- the dequantize route (many rows: prefill, batched decode): expand the codes to the activation dtype and run
-  one `F.linear`, rounding its input and output to bfloat16 as the kernel does (so both routes compute the
-  same W4A16 / W8A16 product, up to the order of the sums; chapter 5 §5.5 measures what is left). The
-  product is compute-bound there, so the expansion (one pass over the weight) is cheap next to it, and
-  MKL/oneDNN's sgemm was 6-20x faster than the packed ops at 64 rows (measured on 2 shared cores).
+- on the CPU (where the C++ kernel builds): the integer GEMM of `minfer.quantization.qgemm` at EVERY batch
+  size. The codes are packed once at load into its tiled layout (the same bytes: 1 or 0.5 byte per weight
+  plus the scales), the activations are quantized per call to int8 blocks of 32, and a register-tiled
+  micro-kernel sums u8 x s8 products (AVX-512 VNNI or AVX2). One code path for every T keeps a row's result
+  batch-invariant, and no call expands the weight to floats. Measured against oneDNN's float32 sgemm on
+  SmolLM2's shapes (chapter 5 §5.3, assets/benchmarks/qgemm_kernel_cpu.json): 2.5-5.4x faster at 16-2048 rows
+  on 2 cores, and reading 4-7x fewer bytes at 1 row. The price is the activation rounding to 8 bits per block
+  of 32 (chapter 5 §5.9 measures the perplexity: int8 +0.31% against float32).
+- where the kernel does not build (no compiler, MINFER_CPU_KERNELS=0): the older routes, torch's packed CPU
+  ops on bfloat16 activations at <= `kernel_max_rows` rows, else one dequantize + `F.linear` with the same
+  bfloat16 roundings;
+- other devices: `device_kernel` (dequantize + `F.linear`; int4's Triton W4A16 kernel on a GPU).
 
-A tied LM head (`layer.keep_rows`, the embedding reads its rows) stays in the model's float layout: its
-49,152-row product is slower through the packed ops than through sgemm (measured), as in vLLM, where the LM
-head is not quantized unless asked.
+A tied LM head (`layer.keep_rows`, the embedding reads its rows) stays in the model's float layout, as in
+vLLM, where the LM head is not quantized unless asked. (Measured, chapter 5 §5.3: as int8 codes through the
+integer GEMM its product would be 6x faster at 1 row; not routed, since the embedding would then need the
+float table kept beside the codes.)
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from minfer.model.linear_method import LinearMethodBase, UnquantizedLinearMethod
+from minfer.quantization.qgemm import PackedWeight, dequantize_rows, qgemm_available, qgemm_unchecked
 
-# Most rows that take the kernel route; above, the dequantize route (see the module docstring). Measured
-# crossover on 2 cores between 4 and 16 rows for SmolLM2's shapes.
+# Where the integer GEMM does not build: most rows that take torch's packed ops; above, the dequantize route.
+# Measured crossover on 2 cores between 4 and 16 rows for SmolLM2's shapes.
 KERNEL_MAX_ROWS = 4
 
 
@@ -36,14 +41,19 @@ class QuantizedLinearMethod(LinearMethodBase):
 
     Args:
         fallback: the method of the layers left in float (the tied head), e.g. the CPU's "hybrid" layout.
-        kernel_max_rows: most rows per call that take the packed-op route (0: always dequantize).
+        kernel_max_rows: without the integer GEMM, most rows per call that take the packed-op route (0: always
+            dequantize).
+        cpu_kernel: pack CPU layers for the integer GEMM (`minfer.quantization.qgemm`) where it builds (False:
+            the older torch routes only).
     """
 
     name = "quantized"
 
-    def __init__(self, fallback: LinearMethodBase | None = None, kernel_max_rows: int = KERNEL_MAX_ROWS):
+    def __init__(self, fallback: LinearMethodBase | None = None, kernel_max_rows: int = KERNEL_MAX_ROWS,
+                 cpu_kernel: bool = True):
         self.fallback = fallback or UnquantizedLinearMethod()
         self.kernel_max_rows = kernel_max_rows
+        self.cpu_kernel = cpu_kernel
 
     # -- what a method implements ----------------------------------------------------------------------
     @abc.abstractmethod
@@ -57,6 +67,31 @@ class QuantizedLinearMethod(LinearMethodBase):
     @abc.abstractmethod
     def kernel(self, layer, x2: torch.Tensor) -> torch.Tensor:
         """`x2 [T, in]` -> `[T, out]` float by the packed op (the kernel route)."""
+
+    @abc.abstractmethod
+    def pack_for_cpu(self, layer) -> PackedWeight | None:
+        """The layer's codes and scales (the method's own buffers) -> the integer GEMM's `PackedWeight`, or
+        None where this layer cannot take it."""
+
+    # Buffers of the method's own layout that the packed copy replaces (dropped after packing).
+    unpacked_buffers: tuple[str, ...] = ()
+
+    def maybe_pack(self, layer) -> None:
+        """On a CPU with the integer GEMM built (and `cpu_kernel`): repack the layer's codes for it, once, and
+        drop the method's own layout (the same bytes are kept once). Sets `layer.qg_format` (None: not packed)."""
+        layer.qg_format = None
+        device = getattr(layer, self.unpacked_buffers[0]).device
+        if not (self.cpu_kernel and device.type == "cpu" and qgemm_available()):
+            return
+        w = self.pack_for_cpu(layer)
+        if w is None:
+            return
+        for name in self.unpacked_buffers:
+            if hasattr(layer, name):
+                delattr(layer, name)
+        for name, t in w.tensors().items():
+            store(layer, name, t)
+        layer.qg_format = (w.bits, w.offset, w.bf16, w.group, w.n, w.k)
 
     def device_kernel(self, layer, x2: torch.Tensor) -> torch.Tensor:
         """`x2 [T, in]` on a GPU (or any non-CPU device) -> `[T, out]` in x2's dtype. Default: dequantize to
@@ -81,7 +116,9 @@ class QuantizedLinearMethod(LinearMethodBase):
         if not layer.quantized:
             return self.fallback.apply(layer, x)
         x2 = x.reshape(-1, layer.in_features)
-        if x2.device.type != "cpu":
+        if getattr(layer, "qg_format", None) is not None and x2.device.type == "cpu":
+            y = qgemm_unchecked(x2, packed(layer)).to(x.dtype)
+        elif x2.device.type != "cpu":
             y = self.device_kernel(layer, x2)
         elif x2.shape[0] <= self.kernel_max_rows:
             y = self.kernel(layer, x2).to(x.dtype)
@@ -98,7 +135,15 @@ class QuantizedLinearMethod(LinearMethodBase):
     def weight_rows(self, layer, ids: torch.Tensor) -> torch.Tensor:
         if not layer.quantized:
             return self.fallback.weight_rows(layer, ids)
+        if getattr(layer, "qg_format", None) is not None:  # only the rows asked for are expanded
+            return dequantize_rows(packed(layer), ids)
         return self.dequantize(layer, torch.float32)[ids]
+
+
+def packed(layer) -> PackedWeight:
+    """The `PackedWeight` over a layer's `qg_*` buffers (built per call: a buffer moved by `.to()` is seen)."""
+    bits, offset, bf16, group, n, k = layer.qg_format
+    return PackedWeight(layer.qg_qs, layer.qg_d, getattr(layer, "qg_m", None), bits, offset, bf16, group, n, k)
 
 
 def store(layer: nn.Module, name: str, t: torch.Tensor) -> None:

@@ -158,6 +158,7 @@ class PrequantizedLinearMethod(GGUFLinearMethod):
         else:
             layer.register_buffer("qweight", codes.contiguous())
             layer.register_buffer("scales", torch.cat([p.prequant[1] for p in parts]))
+            self.int8.maybe_pack(layer)
         layer.prequant = kind
         layer.quantized = True
 

@@ -15,13 +15,15 @@ llama.cpp's blocks (ggml-common.h; q are the stored codes):
 Three routes. The default, for Q4_0, Q4_1 and Q8_0 (SmolLM2-135M's file is all Q4_1 with a Q8_0 embedding/head),
 where the C++ kernel builds:
 
-- **blocks** (`minfer.quantization.gguf_matmul`, chapter 5 §5.3): the file's bytes, repacked into planes of the
-  same size, times float32 activations that the kernel quantizes to int8 blocks of 32 per call (llama.cpp's
-  method: integer dot products, one float multiply-add per block). Bytes read per token = the file's. The
-  activation rounding is the one approximation (bounded in `tests/test_gguf_matmul.py`). Every batch size
-  takes the kernel on the CPU (it reads each weight row once per call at any batch, and one code path keeps
-  a row's logits independent of the batch); other devices dequantize + `F.linear`. A tied head in one of these
-  types stays blocks too (the embedding expands only the rows it looks up).
+- **blocks** (`minfer.quantization.qgemm`, chapter 5 §5.3): the file's codes and float16 scales, packed once
+  into the register-tiled integer GEMM's layout (`gguf_matmul.pack_gguf`: the same bytes per weight), times
+  float32 activations that the kernel quantizes to int8 blocks of 32 per call (llama.cpp's method: integer
+  dot products, one float multiply-add per block). Bytes read per token = the file's. The activation
+  rounding is the one approximation (bounded in `tests/test_qgemm.py`). Every batch size takes the kernel on
+  the CPU (a register tile of 4 rows x 32 columns: faster than float32 sgemm at every T measured, and one
+  code path keeps a row's logits independent of the batch); other devices dequantize + `F.linear`. A tied
+  head in one of these types (SmolLM2's Q8_0 head) stays packed too: the embedding expands only the rows it
+  looks up (`qgemm.dequantize_rows`, gguf's numbers exactly).
 
 `quantization_config={"kernel": "torch"}` (or a machine without a C++ compiler) takes the two older routes,
 each exact up to a stated rounding, which also run the types the kernel does not (Q4_K, Q5_0, Q6_K):
@@ -44,8 +46,8 @@ codes: q = round(w / s), exact because w = q s was computed in float32 from a sm
 whose parts mix the two routes (none in SmolLM2's or Gemma 3's files) and other tensor types (F32, F16,
 ...) are expanded to float32 and run by the fallback layout. A tied LM head in a 4-bit type stays float (the
 embedding reads its rows); one in Q8_0 (SmolLM2-135M's Q4_1 file and Gemma 3's store their embedding/head so)
-stays int8 codes: the embedding expands only the rows it looks up, and the head's product always takes the
-kernel (measured faster than float32 sgemm there, chapter 5 §5.3).
+stays int8 codes on the `kernel: "torch"` route: the embedding expands only the rows it looks up, and the
+head's product always takes the int8-group kernel (measured faster than float32 sgemm there, chapter 5 §5.3).
 
 The loader (`minfer.model.loader`) hands these tensors over as their raw bytes, `uint8 [out, bytes]` tagged
 with `ggml_type`, through `gguf_tensors`.
@@ -59,9 +61,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from minfer.model.linear_method import LinearMethodBase, UnquantizedLinearMethod
-from minfer.quantization.base import KERNEL_MAX_ROWS, store
-from minfer.quantization.gguf_matmul import (KERNEL_TYPES, dequantize_blocks, gguf_kernel_available, gguf_matmul,
-                                             matmul_unchecked, repack_blocks)
+from minfer.quantization.base import KERNEL_MAX_ROWS, packed, store
+from minfer.quantization.gguf_matmul import KERNEL_TYPES, pack_gguf, repack_blocks
+from minfer.quantization.qgemm import dequantize_rows, qgemm_available, qgemm_unchecked
 from minfer.quantization.int4 import Int4LinearMethod
 from minfer.quantization.int8_group import (Int8GroupKernelUnavailable, dequantize_int8_group, int8_group_matmul)
 
@@ -195,8 +197,9 @@ class GGUFLinearMethod(LinearMethodBase):
     (`layer.gguf_route` "int4" or "int8_group"), anything else into a float weight for the fallback.
 
     Args:
-        kernel: "blocks" (default: Q4_0 / Q4_1 / Q8_0 layers in the file's bytes through `gguf_matmul`, where
-            its C++ kernel builds) or "torch" (the int4 op and int8 codes only).
+        kernel: "blocks" (default: Q4_0 / Q4_1 / Q8_0 layers in the file's bytes through the integer GEMM
+            `qgemm`, where its C++ kernel builds; Q4_K through the same kernel as int4 groups) or "torch" (the
+            int4 op and int8 codes only).
         kernel_max_rows: most rows per call that the int8-group C++ kernel takes; more go through one
             dequantize + `F.linear` (chapter 5 measures the crossover).
     """
@@ -208,7 +211,7 @@ class GGUFLinearMethod(LinearMethodBase):
         if kernel not in ("blocks", "torch"):
             raise ValueError(f"gguf kernel must be 'blocks' or 'torch', got {kernel!r}")
         self.fallback = fallback or UnquantizedLinearMethod()
-        self.int4 = Int4LinearMethod(group_size=BLOCK, fallback=self.fallback)
+        self.int4 = Int4LinearMethod(group_size=BLOCK, fallback=self.fallback, cpu_kernel=kernel == "blocks")
         self.kernel_max_rows = kernel_max_rows
         self.kernel = kernel
 
@@ -238,16 +241,15 @@ class GGUFLinearMethod(LinearMethodBase):
         parts = [layer.gguf_parts[i] for i in range(len(layer.output_sizes))]
         layer.gguf_parts = {}
         types = {getattr(p, "ggml_type", "float") for p in parts}
-        if len(types) == 1 and types <= set(KERNEL_TYPES) and self.kernel == "blocks" and gguf_kernel_available():
-            planes = [repack_blocks(p, p.ggml_type) for p in parts]
+        if len(types) == 1 and types <= set(KERNEL_TYPES) and self.kernel == "blocks" and qgemm_available():
             layer.ggml_type = types.pop()
             layer.model_dtype = layer.weight.dtype  # the model's dtype (the placeholder was built in it)
             del layer.weight
-            for i, name in enumerate(("qs", "d", "m")):
-                store(layer, name, torch.cat([pl[i] for pl in planes]).contiguous() if planes[0][i] is not None else None)
+            w = pack_gguf([repack_blocks(p, p.ggml_type) for p in parts], layer.ggml_type)
+            for name, t in w.tensors().items():
+                store(layer, name, t)
+            layer.qg_format = (w.bits, w.offset, w.bf16, w.group, w.n, w.k)
             layer.quantized, layer.gguf_route = True, "blocks"
-            if layer.in_features:  # check the planes once here: apply calls the kernel without checks
-                gguf_matmul(torch.zeros(1, layer.in_features), layer.qs, layer.d, layer.m, layer.ggml_type)
             return
         if types <= set(INT4_TYPES) and not layer.keep_rows:
             decoded = [decode_q4_blocks(p, p.ggml_type) for p in parts]
@@ -276,9 +278,9 @@ class GGUFLinearMethod(LinearMethodBase):
         if layer.gguf_route == "blocks":
             x2 = x.reshape(-1, layer.in_features)
             if x2.device.type == "cpu":
-                y = matmul_unchecked(x2, layer.qs, layer.d, layer.m, layer.ggml_type).to(x.dtype)
+                y = qgemm_unchecked(x2, packed(layer)).to(x.dtype)
             else:
-                y = F.linear(x2, dequantize_blocks(layer.qs, layer.d, layer.m, layer.ggml_type, x.dtype))
+                y = F.linear(x2, dequantize_rows(packed(layer), dtype=x.dtype))
             if layer.bias is not None:
                 y = y + layer.bias
             return y.view(*x.shape[:-1], layer.out_features)
@@ -300,9 +302,8 @@ class GGUFLinearMethod(LinearMethodBase):
         return y.view(*x.shape[:-1], layer.out_features)
 
     def weight_rows(self, layer, ids: torch.Tensor) -> torch.Tensor:
-        if layer.gguf_route == "blocks":  # only the rows asked for are expanded
-            m = layer.m[ids] if layer.m is not None else None
-            return dequantize_blocks(layer.qs[ids], layer.d[ids], m, layer.ggml_type, layer.model_dtype)
+        if layer.gguf_route == "blocks":  # only the rows asked for are expanded (gguf's numbers exactly)
+            return dequantize_rows(packed(layer), ids, layer.model_dtype)
         if layer.gguf_route == "int8_group":  # only the rows asked for are expanded
             return dequantize_int8_group(layer.qweight[ids], layer.scales[ids]).to(layer.model_dtype)
         return (self.int4 if layer.quantized else self.fallback).weight_rows(layer, ids)

@@ -1,5 +1,10 @@
-"""GGUF's Q4_0 / Q4_1 / Q8_0 blocks times float32 activations, in their own bytes: the C++ kernel of
-`csrc/gguf_matmul_cpu.cpp` (chapter 5 §5.3), llama.cpp's method written from scratch.
+"""GGUF's Q4_0 / Q4_1 / Q8_0 blocks times float32 activations, in their own bytes: the GEMV-style C++ kernel
+of `csrc/gguf_matmul_cpu.cpp` (chapter 5 §5.3), llama.cpp's method written from scratch, and the planes
+(`repack_blocks`) that `pack_gguf` turns into the tiles of the register-tiled integer GEMM
+(`minfer.quantization.qgemm`), which is what the engine runs. This kernel stays as the chapter's first step
+and the benchmarks' baseline: it loops over the weight rows and, per row, over up to 8 activation rows, so at
+a batch of 64 each weight block is unpacked 8 times and each activation byte reloaded for every weight row;
+the tiled GEMM keeps a 4 x 32 tile of sums in registers instead (chapter 5 measures both).
 
 Each activation row is quantized once per call to int8 in blocks of 32 (`quantize_activations`: one float
 scale dx = max|x| / 127 per block, q = round(x / dx), and the block's integer sum); every weight block then
@@ -100,6 +105,24 @@ def repack_blocks(raw: torch.Tensor, ggml_type: str) -> tuple[torch.Tensor, torc
         m, qs = None, b[..., 2:]
     qs = qs.reshape(n, -1).contiguous()
     return (qs.view(torch.int8) if ggml_type == "Q8_0" else qs), d.contiguous(), m.contiguous() if m is not None else None
+
+
+def pack_gguf(planes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]], ggml_type: str):
+    """The planes of one or more parts (`repack_blocks` each; stacked along the output rows) -> the integer
+    GEMM's `PackedWeight` (`minfer.quantization.qgemm`, the engine's route): Q4_1 as w = q d + m, Q4_0 as
+    (q - 8) d, Q8_0 as q d, groups of 32, float16 scales. The same bytes per weight as the file."""
+    from minfer.quantization.qgemm import pack
+
+    codes = []
+    for qs, _, _ in planes:
+        if ggml_type == "Q8_0":
+            codes.append(qs)
+        else:
+            b = qs.view(qs.shape[0], -1, BLOCK // 2)
+            codes.append(torch.cat([b & 15, b >> 4], dim=-1).reshape(qs.shape[0], -1))
+    d = torch.cat([pl[1] for pl in planes])
+    m = torch.cat([pl[2] for pl in planes]) if ggml_type == "Q4_1" else None
+    return pack(torch.cat(codes), d, m, 8 if ggml_type == "Q8_0" else 4, offset=8 if ggml_type == "Q4_0" else 0)
 
 
 def dequantize_blocks(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, ggml_type: str,

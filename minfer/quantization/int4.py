@@ -16,9 +16,13 @@ must be a multiple of it, else loading stops with a ValueError that names the la
 hidden size 576 is 4.5 groups of 128, so `group_size=128` is refused for it (64 and 32 work). No silent
 fallback to another group size: the quality and the bytes per weight would not be what was asked for.
 
-Stored: `qweight uint8 [out, in/2]` in the op's packed layout (for `out % 64 == 0`: blocks of 64 rows, byte
-`[b, k, i]` = row 64b+i in the low nibble, row 64b+32+i in the high one) and `scales_and_zeros bfloat16
-[in/G, out, 2]`: 0.5 + 4/G bytes per weight.
+Stored on a CPU where the C++ kernel builds: the integer GEMM's tiles (`minfer.quantization.qgemm`: w =
+(q - 8) s + z with s and z bfloat16 per group; 0.5 + 4/G bytes per weight), which every batch size runs
+(activations quantized to int8 blocks of 32; `minfer.quantization.base`). Elsewhere: `qweight uint8 [out,
+in/2]` in the op's packed layout (for `out % 64 == 0`: blocks of 64 rows, byte `[b, k, i]` = row 64b+i in
+the low nibble, row 64b+32+i in the high one) and `scales_and_zeros bfloat16 [in/G, out, 2]`, for torch's
+packed op, the dequantize route or the GPU's Triton W4A16 kernel (`device_kernel` rebuilds these from the
+tiles for a layer packed on the CPU).
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from __future__ import annotations
 import torch
 
 from minfer.config import INT4_GROUP_SIZES
-from minfer.quantization.base import QuantizedLinearMethod, store
+from minfer.quantization.base import QuantizedLinearMethod, packed, store
+from minfer.quantization.qgemm import dequantize_rows, pack, unpack_rows
 
 DEFAULT_GROUP_SIZE = 64
 
@@ -101,6 +106,7 @@ class Int4LinearMethod(QuantizedLinearMethod):
     """
 
     name = "int4"
+    unpacked_buffers = ("qweight", "scales_and_zeros", "qweight_op")
 
     def __init__(self, group_size: int = DEFAULT_GROUP_SIZE, **kwargs):
         super().__init__(**kwargs)
@@ -125,14 +131,36 @@ class Int4LinearMethod(QuantizedLinearMethod):
         else:  # own nibble layout for the dequantize route, and the op's copy where the op runs
             store(layer, "qweight", (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous())
             store(layer, "qweight_op", pack_int4(codes) if layer.int4_kernel else None)
+        layer.pending_codes = codes  # read once by pack_for_cpu, then dropped
+        self.maybe_pack(layer)
+        layer.pending_codes = None
+
+    def pack_for_cpu(self, layer):
+        sz = layer.scales_and_zeros.transpose(0, 1)  # [out, in/G, 2]
+        if layer.group_size % 32 or sz.dtype != torch.bfloat16:
+            return None
+        codes = layer.pending_codes if layer.pending_codes is not None else self.codes(layer)
+        return pack(codes, sz[..., 0], sz[..., 1], 4, offset=8)
+
+    def scales_and_zeros(self, layer) -> torch.Tensor:
+        """`[in/G, out, 2]` bfloat16 (s, z) of either layout."""
+        if getattr(layer, "qg_format", None) is None:
+            return layer.scales_and_zeros
+        w = packed(layer)
+        ids = torch.arange(w.n)
+        return torch.stack([w.d[ids // 16, :, ids % 16], w.m[ids // 16, :, ids % 16]], dim=-1).transpose(0, 1)
 
     def codes(self, layer) -> torch.Tensor:
+        if getattr(layer, "qg_format", None) is not None:
+            return unpack_rows(packed(layer), torch.arange(layer.qg_format[4]))[0].to(torch.uint8)
         if layer.int4_packed:
             return unpack_int4(layer.qweight)
         q = layer.qweight
         return torch.stack([q & 15, q >> 4], dim=-1).reshape(q.shape[0], -1)
 
     def dequantize(self, layer, dtype: torch.dtype) -> torch.Tensor:
+        if getattr(layer, "qg_format", None) is not None:
+            return dequantize_rows(packed(layer), dtype=dtype)
         sz = layer.scales_and_zeros.transpose(0, 1)  # [out, in/G, 2]
         return dequantize_int4(self.codes(layer), sz[..., 0], sz[..., 1], dtype)
 
@@ -141,6 +169,12 @@ class Int4LinearMethod(QuantizedLinearMethod):
         batch size (it reads the codes in either layout; the CPU's two routes do not apply there)."""
         from minfer.kernels.w4a16 import w4a16_matmul
 
+        if getattr(layer, "qg_format", None) is not None:  # packed for the CPU's integer GEMM: the op's layout back
+            codes = self.codes(layer)
+            qweight = pack_int4_blocked(codes) if layer.int4_packed else (codes[:, 0::2] | (codes[:, 1::2] << 4))
+            sz = self.scales_and_zeros(layer).contiguous()
+            return w4a16_matmul(x2, qweight.to(x2.device), sz.to(x2.device), layer.group_size, layer.int4_packed,
+                                out_dtype=x2.dtype)
         return w4a16_matmul(x2, layer.qweight, layer.scales_and_zeros, layer.group_size, layer.int4_packed,
                             out_dtype=x2.dtype)
 

@@ -1,0 +1,474 @@
+// y[T, N] = x[T, K] W^T for integer weights (4- or 8-bit codes with per-(column, group) scales), x float32:
+// one register-tiled integer GEMM for GGUF's Q4_0 / Q4_1 / Q8_0 blocks and minfer's `int4` and `int8`
+// (chapter 5 §5.3; the ideas of ggml's quantized dot products and of oneDNN-style register tiling, written
+// here from scratch).
+//
+//   1. each activation row is quantized ONCE per call to int8 in blocks of 32: one float scale dx per block,
+//      q = round(x / dx) (half to even), dx = max|x| / 127, and the block's integer sum sx = sum q;
+//   2. a tile of R activation rows x 16 (or 32) output columns keeps its int32 sums in registers; for each
+//      4 bytes of K, the 4 activation bytes of a row are broadcast to every lane (_mm512_set1_epi32) and one
+//        AVX-512 VNNI: _mm512_dpbusd_epi32 (u8 x s8, 4 products summed into each of 16 int32 lanes: 64 MACs)
+//        AVX2:         _mm256_maddubs_epi16 (u8 x s8 -> pairs in int16) + _mm256_madd_epi16 (-> int32)
+//      multiplies them by the 16 columns' 4 weight bytes, so a weight byte loaded once serves R rows and an
+//      activation byte broadcast once serves 16-32 columns (a GEMV repeated per row would reload both);
+//   3. per block of 32, the exact integer sum becomes floats once per output element:
+//        dot' = dot - c sx                     (integer; c = 8 for Q4_0 / int4, 128 for 8-bit codes, else 0)
+//        acc  = fma(float(dot'), d dx, acc)    (d: the column's scale for this block's group)
+//        acc  = fma(m, dx sx, acc)             (only where there is an offset m: Q4_1's m, int4's zero z)
+//      so  Q4_1: w = q d + m,  Q4_0 / int4: w = (q - 8) d + m (m = 0 for Q4_0),  Q8_0 / int8: w = q d.
+//
+// Weight layout (`minfer/quantization/qgemm.py: pack_codes`), the same bytes as the codes: columns in tiles
+// of 16 (N padded with zero columns), each tile's K in blocks of 32, each block as the loads want it:
+//   4-bit: uint8 [N/16, K/32, 4, 16, 4]: byte [p, g, i, j, b] = code(16p+j, 32g+8i+b) | code(.., 32g+8i+4+b) << 4
+//          one 64-byte load i holds 16 columns x 8 K; `& 15` gives K 8i..8i+3, `>> 4 & 15` K 8i+4..8i+7
+//   8-bit: uint8 [N/16, K/32, 8, 16, 4]: byte [p, g, i, j, b] = code(16p+j, 32g+4i+b) + 128 (u8 for dpbusd;
+//          the + 128 comes back off as the integer 128 sx; AVX2 turns it back into a signed code and moves
+//          its sign onto x, since u8 255 x s8 127 pairs would saturate maddubs' int16)
+//   scales d and offsets m: 16-bit (float16 for GGUF, bfloat16 for int4 / int8) [N/16, K/32/gs, 16], gs =
+//          blocks of 32 per scale group (1 for GGUF, group_size / 32 for int4, K / 32 for int8).
+// So a token reads 0.5625 (Q4_0), 0.625 (Q4_1, int4 g32), 1.0625 (Q8_0) bytes per weight: the file's bytes.
+//
+// Batch-invariant by construction: the integer sums are exact; the float work per output element is the same
+// three instructions per block in increasing block order whatever T is, whichever row tile (R = 1..4) or
+// column tile a row or column falls in, and however the tiles are split over threads. The AVX2, VNNI and
+// scalar (std::fma) paths even do the same float operations, so all three give the same bits.
+//
+// The activation quantization runs in AVX2 on both SIMD paths (the same bits as the scalar loop), threaded
+// when T x K is large (at T = 2048 it is ~3 M values per call, which a scalar loop would make a third of the
+// call's time).
+//
+// Work split: OpenMP over (chunks of 64 rows) x (pairs of column tiles on VNNI, single tiles on AVX2, whose 16
+// ymm registers hold one 4 x 16 tile); inside, row tiles of 4. A chunk's
+// activations (64 x K bytes) stay in L2 while all column tiles stream past; at T = 1 this is one pass over
+// the weight, split across threads by columns (decode is bound by memory bandwidth).
+//
+// Instruction set chosen at run time (isa 0 = best this CPU has; 1 scalar, 2 AVX2, 3 AVX-512 VNNI forces one,
+// which the tests use): the AVX2 and VNNI functions carry target attributes, so one build runs on both.
+
+#include <omp.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define MINFER_X86 1
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int kMR = 4;        // activation rows per register tile
+constexpr int64_t kChunk = 64;  // activation rows per work item (multiple of kMR)
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: normalize
+      exp = 127 - 15 + 1;
+      while (!(man & 0x400)) { man <<= 1; --exp; }
+      bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000 | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// The activations, quantized: q int8 [T, K], d float [T, K/32], s int32 [T, K/32], ds = d * float(s).
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> d, ds;
+  std::vector<int32_t> s;
+};
+
+void quantize_block(const float* xb, int8_t* q, float* d_out, int32_t* s_out, float* ds_out) {
+  float amax = 0.f;
+  for (int j = 0; j < kBlock; ++j) amax = std::fmax(amax, std::fabs(xb[j]));
+  const float d = amax / 127.f;
+  const float id = d > 0.f ? 1.f / d : 0.f;
+  int32_t sum = 0;
+  for (int j = 0; j < kBlock; ++j) {
+    const int v = (int)std::nearbyint(xb[j] * id);  // |v| <= 127 (round half to even)
+    q[j] = (int8_t)v;
+    sum += v;
+  }
+  *d_out = d;
+  *s_out = sum;
+  *ds_out = d * (float)sum;
+}
+
+#ifdef MINFER_X86
+// The same block quantization in AVX2, the same bits: max of |x| (exact), d and 1 / d as scalars, x * (1 / d)
+// rounded half to even (cvtps_epi32 under the default rounding mode = nearbyint), integer sum.
+__attribute__((target("avx2,fma,f16c"))) void quantize_block_avx2(const float* xb, int8_t* q, float* d_out,
+                                                                  int32_t* s_out, float* ds_out) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4];
+  __m256 mx = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(xb + 8 * i);
+    mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+  const float amax = _mm_cvtss_f32(h);
+  const float d = amax / 127.f;
+  const float id = d > 0.f ? 1.f / d : 0.f;
+  const __m256 vid = _mm256_set1_ps(id);
+  __m256i c[4];
+  for (int i = 0; i < 4; ++i) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vid));
+  const __m256i sum8 = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+  const int32_t sum = _mm_cvtsi128_si32(s4);
+  // int32 -> int8 keeping the order: the packs work per 128-bit lane, the permute puts the dwords back
+  const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+  _mm256_storeu_si256((__m256i*)q, _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  *d_out = d;
+  *s_out = sum;
+  *ds_out = d * (float)sum;
+}
+#endif
+
+void quantize_rows(const float* x, int64_t T, int64_t K, QuantizedRows& out, int num_threads, bool simd) {
+  const int64_t G = K / kBlock;
+  out.q.resize(T * K);
+  out.d.resize(T * G);
+  out.s.resize(T * G);
+  out.ds.resize(T * G);
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (T * K >= 65536)
+  for (int64_t i = 0; i < T * G; ++i) {
+#ifdef MINFER_X86
+    if (simd) {
+      quantize_block_avx2(x + i * kBlock, out.q.data() + i * kBlock, &out.d[i], &out.s[i], &out.ds[i]);
+      continue;
+    }
+#endif
+    quantize_block(x + i * kBlock, out.q.data() + i * kBlock, &out.d[i], &out.s[i], &out.ds[i]);
+  }
+}
+
+struct Packed {
+  const uint8_t* qs;   // [P, G, 64 * (bits == 4 ? 4 : 8)]
+  const uint16_t* d;   // [P, Gs, 16]
+  const uint16_t* m;   // [P, Gs, 16] or null
+  int bits;            // 4 or 8
+  int offset;          // c above: subtracted from each code (as c sx); 128 for 8-bit codes
+  int bf16;            // scales are bfloat16 (else float16)
+  int64_t gs;          // blocks of 32 per scale group
+  int64_t G, Gs;       // K / 32, G / gs
+  int64_t block_bytes; // 256 (4-bit) or 512 (8-bit)
+};
+
+inline float scale_at(const Packed& w, const uint16_t* plane, int64_t p, int64_t g, int j) {
+  const uint16_t h = plane[(p * w.Gs + g / w.gs) * 16 + j];
+  return w.bf16 ? bf16_to_float(h) : half_to_float(h);
+}
+
+// ---- scalar: the same float operations as the SIMD paths (std::fma), one output element at a time ----
+void tile_scalar(const Packed& w, int64_t p0, int nc, const QuantizedRows& x, int64_t t0, int R, int64_t K,
+                 float* out, int64_t N) {
+  const int64_t G = w.G;
+  for (int c = 0; c < nc; ++c) {
+    const int64_t p = p0 + c;
+    for (int j = 0; j < 16; ++j) {
+      const int64_t n = p * 16 + j;
+      if (n >= N) break;
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = t0 + r;
+        float acc = 0.f;
+        for (int64_t g = 0; g < G; ++g) {
+          const uint8_t* blk = w.qs + (p * G + g) * w.block_bytes;
+          const int8_t* xq = x.q.data() + row * K + g * kBlock;
+          int32_t dot = 0;
+          if (w.bits == 4) {
+            for (int i = 0; i < 4; ++i)
+              for (int b = 0; b < 4; ++b) {
+                const uint8_t v = blk[i * 64 + j * 4 + b];
+                dot += (int32_t)(v & 15) * xq[8 * i + b] + (int32_t)(v >> 4) * xq[8 * i + 4 + b];
+              }
+          } else {
+            for (int i = 0; i < 8; ++i)
+              for (int b = 0; b < 4; ++b) dot += (int32_t)blk[i * 64 + j * 4 + b] * xq[4 * i + b];
+          }
+          dot -= w.offset * x.s[row * G + g];
+          const float dx = x.d[row * G + g];
+          acc = std::fma((float)dot, scale_at(w, w.d, p, g, j) * dx, acc);
+          if (w.m) acc = std::fma(scale_at(w, w.m, p, g, j), x.ds[row * G + g], acc);
+        }
+        out[row * N + n] = acc;
+      }
+    }
+  }
+}
+
+#ifdef MINFER_X86
+#define MINFER_VNNI_TARGET "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"
+#define MINFER_AVX2_TARGET "avx2,fma,f16c"
+
+// 16 scales (float16 or bfloat16) -> 16 floats
+__attribute__((always_inline, target(MINFER_VNNI_TARGET))) inline __m512 load_scales16(const uint16_t* s, int bf16) {
+  const __m256i h = _mm256_loadu_si256((const __m256i*)s);
+  if (bf16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return _mm512_cvtph_ps(h);
+}
+
+// ---- AVX-512 VNNI: R rows x NC tiles of 16 columns; zmm int32 sums per (row, tile) per block ----
+template <int R, int NC, int kBits, bool kM>
+__attribute__((target(MINFER_VNNI_TARGET))) void tile_vnni(const Packed& w, int64_t p0, const QuantizedRows& x,
+                                                          int64_t t0, int64_t K, float* out, int64_t N) {
+  const int64_t G = w.G;
+  __m512 acc[R][NC];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  const int8_t* xrow[R];
+  for (int r = 0; r < R; ++r) xrow[r] = x.q.data() + (t0 + r) * K;
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i dot[R][NC];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < NC; ++c) dot[r][c] = _mm512_setzero_si512();
+    const uint8_t* blk[NC];
+    for (int c = 0; c < NC; ++c) blk[c] = w.qs + ((p0 + c) * G + g) * w.block_bytes;
+    if (kBits == 4) {
+      for (int i = 0; i < 4; ++i) {
+        __m512i lo[NC], hi[NC];
+        for (int c = 0; c < NC; ++c) {
+          const __m512i v = _mm512_loadu_si512((const void*)(blk[c] + i * 64));
+          lo[c] = _mm512_and_si512(v, low4);
+          hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        }
+        for (int r = 0; r < R; ++r) {
+          int32_t a, b;
+          std::memcpy(&a, xrow[r] + g * kBlock + 8 * i, 4);
+          std::memcpy(&b, xrow[r] + g * kBlock + 8 * i + 4, 4);
+          const __m512i xa = _mm512_set1_epi32(a), xb = _mm512_set1_epi32(b);
+          for (int c = 0; c < NC; ++c) {
+            dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], lo[c], xa);
+            dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], hi[c], xb);
+          }
+        }
+      }
+    } else {
+      for (int i = 0; i < 8; ++i) {
+        __m512i v[NC];
+        for (int c = 0; c < NC; ++c) v[c] = _mm512_loadu_si512((const void*)(blk[c] + i * 64));
+        for (int r = 0; r < R; ++r) {
+          int32_t a;
+          std::memcpy(&a, xrow[r] + g * kBlock + 4 * i, 4);
+          const __m512i xa = _mm512_set1_epi32(a);
+          for (int c = 0; c < NC; ++c) dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], v[c], xa);
+        }
+      }
+    }
+    __m512 dw[NC], mw[NC];
+    for (int c = 0; c < NC; ++c) {
+      dw[c] = load_scales16(w.d + ((p0 + c) * w.Gs + g / w.gs) * 16, w.bf16);
+      if (kM) mw[c] = load_scales16(w.m + ((p0 + c) * w.Gs + g / w.gs) * 16, w.bf16);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t xi = (t0 + r) * G + g;
+      const __m512 dx = _mm512_set1_ps(x.d[xi]);
+      const __m512i cs = _mm512_set1_epi32(w.offset * x.s[xi]);
+      const __m512 dxs = _mm512_set1_ps(x.ds[xi]);
+      for (int c = 0; c < NC; ++c) {
+        const __m512i di = _mm512_sub_epi32(dot[r][c], cs);
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(di), _mm512_mul_ps(dw[c], dx), acc[r][c]);
+        if (kM) acc[r][c] = _mm512_fmadd_ps(mw[c], dxs, acc[r][c]);
+      }
+    }
+  }
+  for (int c = 0; c < NC; ++c) {
+    const int64_t n0 = (p0 + c) * 16;
+    const int64_t left = N - n0;
+    const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + (t0 + r) * N + n0, mask, acc[r][c]);
+  }
+}
+
+__attribute__((always_inline, target(MINFER_AVX2_TARGET))) inline __m256 load_scales8(const uint16_t* s, int bf16) {
+  const __m128i h = _mm_loadu_si128((const __m128i*)s);
+  if (bf16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  return _mm256_cvtph_ps(h);
+}
+
+// ---- AVX2: R rows x one tile of 16 columns, as two halves of 8 (ymm); same float operations as VNNI ----
+template <int R, int NC, int kBits, bool kM>
+__attribute__((target(MINFER_AVX2_TARGET))) void tile_avx2(const Packed& w, int64_t p0, const QuantizedRows& x,
+                                                           int64_t t0, int64_t K, float* out, int64_t N) {
+  static_assert(NC == 1, "the AVX2 tile is one column tile (16 ymm registers)");
+  const int64_t G = w.G;
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+  const int8_t* xrow[R];
+  for (int r = 0; r < R; ++r) xrow[r] = x.q.data() + (t0 + r) * K;
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* blk = w.qs + (p0 * G + g) * w.block_bytes;
+    for (int h = 0; h < 2; ++h) {  // columns 8h .. 8h + 7
+      __m256i dot[R];
+      for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+      if (kBits == 4) {
+        for (int i = 0; i < 4; ++i) {
+          const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + i * 64 + h * 32));
+          const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          for (int r = 0; r < R; ++r) {
+            int32_t a, b;
+            std::memcpy(&a, xrow[r] + g * kBlock + 8 * i, 4);
+            std::memcpy(&b, xrow[r] + g * kBlock + 8 * i + 4, 4);
+            // 0..15 x -127..127: the int16 pair sums cannot saturate
+            const __m256i pa = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a));
+            const __m256i pb = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(b));
+            dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_add_epi16(pa, pb), ones));
+          }
+        }
+      } else {
+        for (int i = 0; i < 8; ++i) {
+          const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + i * 64 + h * 32));
+          const __m256i q = _mm256_xor_si256(v, flip);  // back to the signed code
+          const __m256i aq = _mm256_sign_epi8(q, q);    // |q| as u8 (-128 -> 128)
+          for (int r = 0; r < R; ++r) {
+            int32_t a;
+            std::memcpy(&a, xrow[r] + g * kBlock + 4 * i, 4);
+            const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(a), q);  // q's sign moves onto x
+            dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aq, xs), ones));
+          }
+        }
+      }
+      // 8-bit: the sum above is already q . x (no +128), so its integer correction is 0 here; the + c sx of
+      // VNNI's u8 codes gives the same integer there
+      const int off = kBits == 8 ? 0 : w.offset;
+      const __m256 dw = load_scales8(w.d + (p0 * w.Gs + g / w.gs) * 16 + 8 * h, w.bf16);
+      __m256 mw = _mm256_setzero_ps();
+      if (kM) mw = load_scales8(w.m + (p0 * w.Gs + g / w.gs) * 16 + 8 * h, w.bf16);
+      for (int r = 0; r < R; ++r) {
+        const int64_t xi = (t0 + r) * G + g;
+        const __m256i di = _mm256_sub_epi32(dot[r], _mm256_set1_epi32(off * x.s[xi]));
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(di), _mm256_mul_ps(dw, _mm256_set1_ps(x.d[xi])), acc[r][h]);
+        if (kM) acc[r][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.ds[xi]), acc[r][h]);
+      }
+    }
+  }
+  const int64_t n0 = p0 * 16;
+  for (int r = 0; r < R; ++r) {
+    float* o = out + (t0 + r) * N + n0;
+    if (N - n0 >= 16) {
+      _mm256_storeu_ps(o, acc[r][0]);
+      _mm256_storeu_ps(o + 8, acc[r][1]);
+    } else {
+      float tmp[16];
+      _mm256_storeu_ps(tmp, acc[r][0]);
+      _mm256_storeu_ps(tmp + 8, acc[r][1]);
+      std::memcpy(o, tmp, (N - n0) * sizeof(float));
+    }
+  }
+}
+#endif
+
+using TileFn = void (*)(const Packed&, int64_t, const QuantizedRows&, int64_t, int64_t, float*, int64_t);
+
+// fns[R - 1][NC - 1] for one ISA and weight kind
+struct Tiles {
+  TileFn fn[kMR][2];
+  int max_nc;
+};
+
+#ifdef MINFER_X86
+#define MINFER_TILES_VNNI(B, M) \
+  Tiles{{{tile_vnni<1, 1, B, M>, tile_vnni<1, 2, B, M>}, {tile_vnni<2, 1, B, M>, tile_vnni<2, 2, B, M>}, \
+         {tile_vnni<3, 1, B, M>, tile_vnni<3, 2, B, M>}, {tile_vnni<4, 1, B, M>, tile_vnni<4, 2, B, M>}}, 2}
+#define MINFER_TILES_AVX2(B, M) \
+  Tiles{{{tile_avx2<1, 1, B, M>, nullptr}, {tile_avx2<2, 1, B, M>, nullptr}, \
+         {tile_avx2<3, 1, B, M>, nullptr}, {tile_avx2<4, 1, B, M>, nullptr}}, 1}
+
+Tiles pick(int isa, int bits, bool has_m) {
+  if (isa == 3) {
+    if (bits == 4) return has_m ? MINFER_TILES_VNNI(4, true) : MINFER_TILES_VNNI(4, false);
+    return has_m ? MINFER_TILES_VNNI(8, true) : MINFER_TILES_VNNI(8, false);
+  }
+  if (bits == 4) return has_m ? MINFER_TILES_AVX2(4, true) : MINFER_TILES_AVX2(4, false);
+  return has_m ? MINFER_TILES_AVX2(8, true) : MINFER_TILES_AVX2(8, false);
+}
+#undef MINFER_TILES_VNNI
+#undef MINFER_TILES_AVX2
+#endif
+
+int best_isa() {
+#ifdef MINFER_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c"))
+    return 3;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    return 2;
+#endif
+  return 1;
+}
+
+}  // namespace
+
+extern "C" int minfer_qgemm_best_isa() { return best_isa(); }
+
+// out float32 [T, N]; x float32 [T, K]; qs / d / m as in the header comment (m may be null); K % 32 == 0,
+// (K / 32) % gs == 0, bits 4 or 8 (checked in Python). isa: 0 = best available; a forced one this CPU lacks
+// falls back to the best available. Returns the one used.
+extern "C" int minfer_qgemm(float* out, const float* x, const uint8_t* qs, const uint16_t* d, const uint16_t* m,
+                            int bits, int offset, int bf16, int64_t gs, int64_t T, int64_t N, int64_t K, int isa,
+                            int num_threads) {
+  const int best = best_isa();
+  if (isa <= 0 || isa > best) isa = best;
+  if (num_threads < 1) num_threads = 1;
+  QuantizedRows xq;
+  quantize_rows(x, T, K, xq, num_threads, isa >= 2);
+  Packed w{qs, d, m, bits, offset, bf16, gs, K / kBlock, K / kBlock / gs, bits == 4 ? 256 : 512};
+  const int64_t P = (N + 15) / 16;
+  const int64_t chunks = (T + kChunk - 1) / kChunk;
+#ifdef MINFER_X86
+  if (isa >= 2) {
+    const Tiles tiles = pick(isa, bits, m != nullptr);
+    const int nc = tiles.max_nc;
+    const int64_t units = (P + nc - 1) / nc;
+#pragma omp parallel for collapse(2) num_threads(num_threads) schedule(static)
+    for (int64_t ch = 0; ch < chunks; ++ch) {
+      for (int64_t u = 0; u < units; ++u) {
+        const int64_t p0 = u * nc;
+        const int this_nc = (int)(P - p0 < nc ? P - p0 : nc);
+        const int64_t t_end = (ch + 1) * kChunk < T ? (ch + 1) * kChunk : T;
+        for (int64_t t0 = ch * kChunk; t0 < t_end; t0 += kMR) {
+          const int R = (int)(t_end - t0 < kMR ? t_end - t0 : kMR);
+          tiles.fn[R - 1][this_nc - 1](w, p0, xq, t0, K, out, N);
+        }
+      }
+    }
+    return isa;
+  }
+#endif
+#pragma omp parallel for collapse(2) num_threads(num_threads) schedule(static)
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    for (int64_t p = 0; p < P; ++p) {
+      const int64_t t_end = (ch + 1) * kChunk < T ? (ch + 1) * kChunk : T;
+      tile_scalar(w, p, 1, xq, ch * kChunk, (int)(t_end - ch * kChunk), K, out, N);
+    }
+  }
+  return 1;
+}
