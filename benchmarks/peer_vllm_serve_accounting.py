@@ -243,7 +243,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cluster-ms", type=float, default=5.0, help="token arrivals this close are one step (ms)")
     ap.add_argument("--old-log-flag", action="store_true")
     ap.add_argument("--log-dir", default=tempfile.gettempdir())
-    ap.add_argument("--minfer-args", default="")
+    ap.add_argument("--minfer-args", default="", help="extra flags for `python -m minfer.serve` (--minfer-args=\"--flag ...\")")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     pvs.ensure_vllm_metadata(args.vllm)
