@@ -74,8 +74,8 @@ class _Route:
 # forward and little else, so its workers should stay awake across a whole step, as vLLM's CPU workers do:
 # 300000 is libgomp's own default, about 0.3-1.5 ms here. Measured on the 192/48-token serving workload with
 # niced jobs on both cores: 10000 spins (minfer's offline choice, minfer/__init__.py), 95.0 output tok/s and
-# ~2,600 worker sleeps in 24 s; 300000, 97.6 tok/s and 40 sleeps (chapter 9, section 9.2.3). The API process
-# keeps OMP_WAIT_POLICY=PASSIVE: it only waits.
+# 1,767 sleeps of the OpenMP worker in 24 s; 300000, 97.6 tok/s and 16 sleeps (chapter 9, section 9.2.3). The
+# API process keeps OMP_WAIT_POLICY=PASSIVE: it only waits.
 ENGINE_CORE_SPINCOUNT = "300000"
 
 

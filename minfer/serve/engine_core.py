@@ -315,5 +315,5 @@ def core_main(engine_args, input_addr: str, output_addr: str) -> None:
     # threads than there are CPUs libgomp spins only 100 iterations before a waiting worker sleeps, whatever
     # GOMP_SPINCOUNT says. The worker then slept ~350 times per step and had to be woken each time, behind
     # any other process on its core: measured on this workload under niced background load, 1.34 of the 2
-    # cores used and 78-91 output tok/s, against 1.83 cores and 98 tok/s with one team (chapter 9, 9.2.3).
+    # cores used and 78-91 output tok/s, against 1.83 cores and 97.6 tok/s with one team (chapter 9, 9.2.3).
     EngineCore(engine, inp, out).run()
