@@ -70,13 +70,22 @@ class _Route:
         self.added = False  # "added" was posted: a later failure is "fatal"; before it (or a job), "error"
 
 
-# How long the engine process's OpenMP workers spin before they sleep (libgomp's GOMP_SPINCOUNT). It runs the
-# forward and little else, so its workers should stay awake across a whole step, as vLLM's CPU workers do:
-# 300000 is libgomp's own default, about 0.3-1.5 ms here. Measured on the 192/48-token serving workload with
-# niced jobs on both cores: 10000 spins (minfer's offline choice, minfer/__init__.py), 95.0 output tok/s and
-# 1,767 sleeps of the OpenMP worker in 24 s; 300000, 97.6 tok/s and 16 sleeps (chapter 9, section 9.2.3). The
-# API process keeps OMP_WAIT_POLICY=PASSIVE: it only waits.
+# How long the engine process's OpenMP workers spin before they sleep (libgomp's GOMP_SPINCOUNT), chosen by the
+# server's own priority. The engine process runs the forward and little else; at normal priority its workers
+# stay awake across a whole step, as vLLM's CPU workers do: 300000 is libgomp's own default, about 0.3-1.5 ms
+# here. Measured on the 192/48-token serving workload with niced jobs on both cores: 10000 spins (minfer's
+# offline choice, minfer/__init__.py), 95.0 output tok/s and 1,767 sleeps of the OpenMP worker in 24 s;
+# 300000, 97.6 tok/s and 16 sleeps. A niced server is a background job among others of its priority, and
+# there a spinning worker burns the slices its own threads need: the 32-stream test of
+# tests/test_serve_engine_process.py at nice 19 beside other niced jobs took 20 s with 100 spins, 56 s with
+# 10000 and 58 s with 300000 (chapter 9, section 9.2.3). The API process keeps OMP_WAIT_POLICY=PASSIVE.
 ENGINE_CORE_SPINCOUNT = "300000"
+ENGINE_CORE_SPINCOUNT_NICED = "100"
+
+
+def engine_core_spincount() -> str:
+    """GOMP_SPINCOUNT for an engine process started from this one: short when this process is niced."""
+    return ENGINE_CORE_SPINCOUNT_NICED if os.getpriority(os.PRIO_PROCESS, 0) > 0 else ENGINE_CORE_SPINCOUNT
 
 
 @contextlib.contextmanager
@@ -90,7 +99,7 @@ def _engine_core_environ():
     saved = {k: os.environ.get(k) for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "MINFER_OMP_DEFAULT")}
     for k in saved:
         os.environ.pop(k, None)
-    os.environ["GOMP_SPINCOUNT"] = ENGINE_CORE_SPINCOUNT  # no MINFER_OMP_DEFAULT: the child keeps it as given
+    os.environ["GOMP_SPINCOUNT"] = engine_core_spincount()  # no MINFER_OMP_DEFAULT: the child keeps it as given
     try:
         yield
     finally:
