@@ -311,7 +311,7 @@ def core_main(engine_args, input_addr: str, output_addr: str) -> None:
     out.send(pack(["ready", pickle.dumps(info)]))
     # The loop runs in this thread, the one that built the engine, so that the process has one OpenMP team.
     # libgomp keeps a pool of workers per thread that starts parallel regions; with the model loaded here and
-    # the loop in a second thread there were two (3 managed threads on 2 cores), and when it manages more
+    # the loop in a second thread there were two (more threads than the 2 cores), and when it manages more
     # threads than there are CPUs libgomp spins only 100 iterations before a waiting worker sleeps, whatever
     # GOMP_SPINCOUNT says. The worker then slept ~350 times per step and had to be woken each time, behind
     # any other process on its core: measured on this workload under niced background load, 1.34 of the 2
