@@ -180,7 +180,8 @@ def main(argv=None) -> int:
     ap.add_argument("--vllm-client", action="store_true", help="also run `vllm bench serve` against both")
     ap.add_argument("--old-log-flag", action="store_true", help="pass vLLM --disable-log-requests (older vLLMs)")
     ap.add_argument("--log-dir", default=tempfile.gettempdir())
-    ap.add_argument("--minfer-args", default="", help="extra flags for `python -m minfer.serve` (one string)")
+    ap.add_argument("--minfer-args", default="",
+                    help='extra flags for `python -m minfer.serve`, one string (--minfer-args="--flag ...")')
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if not Path(args.vllm).exists():

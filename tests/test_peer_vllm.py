@@ -51,3 +51,45 @@ def test_compare_outputs():
     assert r == {"identical": 1, "of": 3, "mean_common_prefix_fraction": pytest.approx((0.5 + 1 + 0) / 3)}
     with pytest.raises(ValueError):
         peer_vllm.compare_outputs([[1]], [])
+
+
+def _accounting():
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(
+        "peer_vllm_serve_accounting", Path(__file__).parents[1] / "benchmarks" / "peer_vllm_serve_accounting.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_step_timeline_clusters_the_streams_into_steps():
+    acct = _accounting()
+    # two requests start together; a 1 s prefill step gives both their first token, then three 0.1 s decode
+    # steps; a third request joins at 1.15 s and gets its first token with the second decode step (a prefill)
+    r = {"start_times": [0.0, 0.0, 1.15], "ttfts": [1.0, 1.001, 0.05],
+         "itls": [[0.1, 0.1, 0.1], [0.1, 0.1, 0.1], [0.1]]}
+    t = acct.step_timeline(r, cluster_s=0.005)
+    assert t["clusters"] == 4
+    assert t["first_tokens_per_prefill_cluster"] == [2, 1]
+    assert t["prefill_cluster_gaps_s"] == [0.099]
+    assert t["decode_gap_median_ms"] == 99.0
+
+
+def test_diff_snapshots_per_thread_and_iteration_histogram(monkeypatch):
+    acct = _accounting()
+    before = {(1, 10): dict(proc="p", thread="python", cpu_s=1.0, vcsw=5, ivcsw=1)}
+    after = {(1, 10): dict(proc="p", thread="python", cpu_s=3.0, vcsw=15, ivcsw=2),
+             (1, 11): dict(proc="p", thread="python", cpu_s=0.5, vcsw=7, ivcsw=0)}
+    rows = acct.diff_snapshots(before, after, wall_s=4.0)
+    assert [(r["thread"], r["cpu_s"], r["cores"], r["voluntary_switches"]) for r in rows] == [
+        ("python#0", 2.0, 0.5, 10), ("python#1", 0.5, 0.125, 7)]
+    text = ('minfer:iteration_tokens_total_bucket{le="16.0",model_name="m"} 3.0\n'
+            'minfer:iteration_tokens_total_count{model_name="m"} 4.0\n'
+            'minfer:iteration_tokens_total_sum{model_name="m"} 2000.0\n'
+            'vllm:iteration_tokens_total_count{model_name="m"} 4.0\n'
+            'vllm:iteration_tokens_total_sum{model_name="m"} 2000.0\n')
+    monkeypatch.setattr(acct.httpx, "get", lambda *a, **k: SimpleNamespace(text=text))
+    h = acct.iteration_histogram("http://x")  # minfer's own series, not its vllm: copy as well
+    assert h["count"] == 4.0 and h["sum"] == 2000.0 and h["buckets"] == {"16.0": 3.0}

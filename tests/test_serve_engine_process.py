@@ -167,6 +167,22 @@ def test_engine_runs_in_its_own_process(server):
     assert httpx.get(server + "/health", timeout=5).status_code == 200
 
 
+def test_engine_process_openmp_workers_spin_through_a_step(server):
+    """The engine process gets GOMP_SPINCOUNT at exec (libgomp reads it when torch loads): 300000 from a server
+    at normal priority, 100 from a niced one, never the API process's PASSIVE; unless the user chose a policy
+    (chapter 9, section 9.2.3)."""
+    from minfer.serve.engine_client import ENGINE_CORE_SPINCOUNT, ENGINE_CORE_SPINCOUNT_NICED
+
+    if not os.environ.get("MINFER_OMP_DEFAULT"):
+        pytest.skip("the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT: it is passed on unchanged")
+    pid = _stats(server)["engine_pid"]
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    niced = os.getpriority(os.PRIO_PROCESS, pid) > 0  # the server inherits this test's priority
+    want = ENGINE_CORE_SPINCOUNT_NICED if niced else ENGINE_CORE_SPINCOUNT
+    assert f"GOMP_SPINCOUNT={want}".encode() in env
+    assert not any(e.startswith(b"OMP_WAIT_POLICY=") for e in env)
+
+
 def test_32_streams_with_disconnects_leave_every_block_free(server):
     prompts = [f"Story number {i}: once upon a time" for i in range(32)]
     base = {"model": MODEL, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True}

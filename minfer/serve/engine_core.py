@@ -37,7 +37,6 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import threading
 import time
 import traceback
 
@@ -310,10 +309,11 @@ def core_main(engine_args, input_addr: str, output_addr: str) -> None:
                 tokenizer=engine.tokenizer, kv_pool_info=dict(engine.kv_pool_info()), pid=os.getpid(),
                 stats=stats_dict(engine.stats()))
     out.send(pack(["ready", pickle.dumps(info)]))
-    core = EngineCore(engine, inp, out)
-    # The loop runs in a thread, not the main thread: measured here, the engine driven from a non-main
-    # thread ran 1.2-2x faster on the loaded 2-core machine (offline LLM.generate, main vs thread, and
-    # the server's two shapes; chapter 9, section 9.2.1), the way the in-process server has always run it.
-    thread = threading.Thread(target=core.run, name="minfer-engine-core", daemon=True)
-    thread.start()
-    thread.join()
+    # The loop runs in this thread, the one that built the engine, so that the process has one OpenMP team.
+    # libgomp keeps a pool of workers per thread that starts parallel regions; with the model loaded here and
+    # the loop in a second thread there were two (more threads than the 2 cores), and when it manages more
+    # threads than there are CPUs libgomp spins only 100 iterations before a waiting worker sleeps, whatever
+    # GOMP_SPINCOUNT says. The worker then slept ~350 times per step and had to be woken each time, behind
+    # any other process on its core: measured on this workload under niced background load, 1.34 of the 2
+    # cores used and 78-91 output tok/s, against 1.83 cores and 97.6 tok/s with one team (chapter 9, 9.2.3).
+    EngineCore(engine, inp, out).run()
