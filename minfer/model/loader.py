@@ -263,15 +263,18 @@ def use_fused_cpu(device: torch.device, dtype: torch.dtype) -> bool:
 
 def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", device: str | torch.device | None = None,
                max_model_len: int | None = None, source: ModelSource | None = None,
-               fused_ops: bool | str = False, linear_method: LinearMethodBase | None = None,
+               fused_ops: bool | str = "auto", linear_method: LinearMethodBase | None = None,
                quantization: str | None = None, quantization_config: dict | str | None = None,
                max_parallel_loading_workers: int | None = None) -> LoadedModel:
     """Load a model by name (see `minfer.model.sources.resolve_model`) onto `device` in `dtype`.
 
     Args:
         fused_ops: build RMSNorm, SiLU-and-mul and RoPE as fused kernels: "triton" (or True) the Triton ones
-            (the Triton backend); "cpu" the C++ loops of `minfer.model.fused_cpu` where they apply (a float32
-            model on the CPU whose kernels build, and `MINFER_FUSED_CPU_OPS` is not "0"), else plain torch.
+            (the Triton backend); "cpu" or "auto" (the default) the C++ loops of `minfer.model.fused_cpu` where
+            they apply (a float32 model on the CPU whose kernels build, and `MINFER_FUSED_CPU_OPS` is not "0"),
+            else plain torch; False plain torch. The default is the engine's, so that a model loaded here and
+            the engine's model compute with the same ops (the loops are batch-invariant: one row's result does
+            not depend on the batch, `csrc/fused_cpu.cpp`).
         linear_method: how every Linear stores and multiplies its weight; default
             `default_linear_method(device, dtype)` (the fastest CPU layout, or "nn" on a GPU).
         quantization, quantization_config: a weight-quantization method of `minfer.quantization` and its
@@ -334,8 +337,8 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
         linear_method = PrequantizedLinearMethod(quantization, fallback=linear_method)
     elif quantization not in (None, "none"):
         linear_method = get_quantization_method(quantization, quantization_config, fallback=linear_method)
-    if fused_ops == "cpu" and not use_fused_cpu(device, dtype_):
-        fused_ops = False
+    if fused_ops in ("cpu", "auto"):
+        fused_ops = "cpu" if use_fused_cpu(device, dtype_) else False
     build = BuildOptions(linear_method=linear_method, fused_ops=fused_ops)
     max_positions = max(cfg.max_position_embeddings, max_model_len or 0)
     # Built straight on the device in its dtype (vLLM's `set_default_torch_dtype` + target device): the linear
