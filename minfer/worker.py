@@ -61,9 +61,9 @@ class Worker:
         self.args = args
         loaded = load_model(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                             # Triton's fused element-wise kernels with its attention; else the loader's
-                            # default, the batch-invariant C++ CPU loops where they apply (a float32 model on
-                            # the CPU; MINFER_FUSED_CPU_OPS=0 turns them off), the same ops as any model
-                            # `load_model` gives (the simple path's, a saved directory's round trip).
+                            # default ("auto": the batch-invariant C++ CPU loops with MINFER_FUSED_CPU_OPS=1,
+                            # plain torch otherwise), the same ops as any model `load_model` gives (the
+                            # simple path's, a saved directory's round trip).
                             fused_ops="triton" if args.attention_backend == "triton" else "auto",
                             quantization=args.quantization,
                             quantization_config=args.quantization_config,

@@ -155,7 +155,7 @@ def test_model_with_fused_cpu_ops_matches_transformers_and_plain_torch(tmp_path,
     ids = [int(i) for i in _randn(23).abs().mul(50).long() % 320]
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
-    fused = load_model(str(tmp_path), dtype="float32", device="cpu")  # the default on a float32 CPU model
+    fused = load_model(str(tmp_path), dtype="float32", device="cpu", fused_ops="cpu")
     plain = load_model(str(tmp_path), dtype="float32", device="cpu", fused_ops=False)
     layer = fused.model.model.layers[0]
     assert layer.input_layernorm.fused and layer.mlp.act is fc.silu_and_mul  # the C++ ops really run
@@ -177,3 +177,5 @@ def test_loader_keeps_plain_torch_where_the_cpu_ops_do_not_apply(tmp_path, monke
     off = load_model(str(tmp_path), dtype="float32", device="cpu", fused_ops="cpu")
     assert not off.model.model.layers[0].input_layernorm.fused
     assert not load_model(str(tmp_path), dtype="float32", device="cpu").model.model.layers[0].input_layernorm.fused
+    monkeypatch.setenv("MINFER_FUSED_CPU_OPS", "1")  # the one switch: "auto" (the worker's default) follows it
+    assert load_model(str(tmp_path), dtype="float32", device="cpu").model.model.layers[0].input_layernorm.fused
