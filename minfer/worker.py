@@ -17,8 +17,6 @@ of its stage's layers), and runs `execute_parallel`: the step's micro-batches th
 
 from __future__ import annotations
 
-import os
-
 import dataclasses
 import logging
 import time
@@ -62,12 +60,11 @@ class Worker:
     def __init__(self, args: EngineArgs):
         self.args = args
         loaded = load_model(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                            # Triton's fused element-wise kernels with its attention. The C++ CPU ones
-                            # only when asked for (MINFER_FUSED_CPU_OPS=1): their vectorized loops are not
-                            # yet batch-invariant (a row's result can move by an ulp with its alignment,
-                            # which flips near-ties between the batched engine and the one-sequence path).
-                            fused_ops="triton" if args.attention_backend == "triton" else
-                            ("cpu" if os.environ.get("MINFER_FUSED_CPU_OPS") == "1" else False),
+                            # Triton's fused element-wise kernels with its attention; else the loader's
+                            # default ("auto": the batch-invariant C++ CPU loops with MINFER_FUSED_CPU_OPS=1,
+                            # plain torch otherwise), the same ops as any model `load_model` gives (the
+                            # simple path's, a saved directory's round trip).
+                            fused_ops="triton" if args.attention_backend == "triton" else "auto",
                             quantization=args.quantization,
                             quantization_config=args.quantization_config,
                             max_parallel_loading_workers=getattr(args, "max_parallel_loading_workers", None))

@@ -2,7 +2,8 @@
 they replace (RMSNorm, add + RMSNorm, SiLU-and-mul, rotate-half RoPE of minfer/model/layers.py, positions.py),
 and a model built with them against transformers and against the same model in plain torch.
 
-Tolerance: float32, 1e-5 (a few ulps: the C++ sums and exps in another order than torch).
+Tolerance: float32, 1e-5 (a few ulps: the C++ sums and exps in another order than torch). Batch invariance:
+bit for bit, whatever the rows' count, address and thread split.
 
     pytest tests/test_fused_cpu.py
 """
@@ -84,6 +85,53 @@ def test_rotary_other_head_stride():
     torch.testing.assert_close(k, ref_k, **TOL)
 
 
+def _placed(x, offset):
+    """x copied into a bigger buffer, `offset` floats in: the same values at another address (alignment)."""
+    buf = torch.zeros(x.numel() + 64)
+    view = buf[offset:offset + x.numel()].view(x.shape)
+    view.copy_(x)
+    return view
+
+
+@pytest.mark.parametrize("width", [576, 100, 13])
+def test_rows_are_bit_identical_whatever_the_batch_and_the_address(width):
+    """Batch invariance (what the engine-vs-simple-path tests need): each row of a 64-row call, computed again
+    alone (T = 1), in 7-row slices, and from addresses 1, 3 and 5 floats off, gives the same bits, for all four
+    ops, and with 1 and 2 threads."""
+    x, r, w = _randn(64, 2 * width) * 3, _randn(64, 2 * width, seed=1), _randn(2 * width, seed=2)
+    ops = {
+        "rms_norm": lambda a, b: fc.rms_norm(a, w, 1e-5),
+        "fused_add_rms_norm": lambda a, b: torch.cat(fc.fused_add_rms_norm(a, b, w, 1e-5), -1),
+        "silu_and_mul": lambda a, b: fc.silu_and_mul(a),
+        "rotary": lambda a, b: torch.cat(fc.apply_rotary_(
+            a.clone().view(a.shape[0], 2, width), b[:, :width].clone().view(a.shape[0], 1, width),
+            b[:, :width // 2].contiguous(), b[:, width // 2:width].contiguous()), 1).flatten(1),
+    }
+    threads = torch.get_num_threads()
+    try:
+        for name, op in ops.items():
+            if name == "rotary" and width % 2:
+                continue
+            torch.set_num_threads(2)
+            full = op(x, r)
+            for n_threads in (1, 2):
+                torch.set_num_threads(n_threads)
+                for rows in (1, 7):
+                    for start in range(0, 64 - rows + 1, 19):
+                        for offset in (0, 1, 3, 5):
+                            got = op(_placed(x[start:start + rows], offset), _placed(r[start:start + rows], offset + 2))
+                            assert torch.equal(got, full[start:start + rows]), (name, n_threads, rows, start, offset)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_exp_of_silu_holds_at_the_extremes():
+    """SiLU through the own exp: large negative and positive gates, where exp under- or overflows."""
+    g = torch.tensor([[-200.0, -90.0, -87.5, -20.0, -1e-3, 0.0, 1e-3, 20.0, 88.5, 200.0]])
+    x = torch.cat((g, torch.ones_like(g)), -1)
+    torch.testing.assert_close(fc.silu_and_mul(x), silu_and_mul(x), **TOL)
+
+
 def test_bad_input_is_refused():
     x = _randn(2, 8)
     with pytest.raises(ValueError, match="float32 CPU"):
@@ -108,7 +156,7 @@ def test_model_with_fused_cpu_ops_matches_transformers_and_plain_torch(tmp_path,
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     fused = load_model(str(tmp_path), dtype="float32", device="cpu", fused_ops="cpu")
-    plain = load_model(str(tmp_path), dtype="float32", device="cpu")
+    plain = load_model(str(tmp_path), dtype="float32", device="cpu", fused_ops=False)
     layer = fused.model.model.layers[0]
     assert layer.input_layernorm.fused and layer.mlp.act is fc.silu_and_mul  # the C++ ops really run
     assert not plain.model.model.layers[0].input_layernorm.fused
@@ -128,3 +176,6 @@ def test_loader_keeps_plain_torch_where_the_cpu_ops_do_not_apply(tmp_path, monke
     monkeypatch.setenv("MINFER_FUSED_CPU_OPS", "0")
     off = load_model(str(tmp_path), dtype="float32", device="cpu", fused_ops="cpu")
     assert not off.model.model.layers[0].input_layernorm.fused
+    assert not load_model(str(tmp_path), dtype="float32", device="cpu").model.model.layers[0].input_layernorm.fused
+    monkeypatch.setenv("MINFER_FUSED_CPU_OPS", "1")  # the one switch: "auto" (the worker's default) follows it
+    assert load_model(str(tmp_path), dtype="float32", device="cpu").model.model.layers[0].input_layernorm.fused

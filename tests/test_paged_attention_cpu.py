@@ -143,3 +143,45 @@ def test_disabled_kernel_falls_back_or_fails_clearly(monkeypatch, caplog):
     finally:
         monkeypatch.delenv("MINFER_CPU_KERNELS")
         cpu._library.cache_clear()
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
+@pytest.mark.parametrize("window,alibi", [(None, False), (5, False), (None, True)])
+def test_contiguous_cache_decodes_with_the_kernel_like_the_reference(kv_cache_dtype, window, alibi):
+    """The simple path's `CpuContiguousBackend`: a prefill (SDPA, as the reference) and then decode steps through
+    the C++ kernel over the contiguous cache, against `ContiguousBackend` (dequantize + SDPA) on the same K/V."""
+    from minfer.attention import ContiguousBackend
+
+    g = torch.Generator().manual_seed(3)
+    h, kvh, d = 8, 2, 32
+    layer = Attention(0, h, kvh, d, d ** -0.5, sliding_window=window,
+                      alibi_slopes=alibi_slopes(h) if alibi else None)
+    ours = cpu.CpuContiguousBackend(1, 24, kvh, d, torch.float32, "cpu", kv_cache_dtype)
+    ref = ContiguousBackend(1, 24, kvh, d, torch.float32, "cpu", kv_cache_dtype)
+    q, k, v = (torch.randn(9, n, d, generator=g) for n in (h, kvh, kvh))
+    for be in (ours, ref):
+        be.forward(layer, q, k, v, ForwardContext(be, positions=torch.arange(9), start_pos=0))
+    for pos in range(9, 14):
+        q1, k1, v1 = (torch.randn(1, n, d, generator=g) for n in (h, kvh, kvh))
+        out = [be.forward(layer, q1, k1, v1, ForwardContext(be, positions=torch.tensor([pos]), start_pos=pos))
+               for be in (ours, ref)]
+        assert ours.kv_caches[0].equal(ref.kv_caches[0])  # the same stored codes
+        torch.testing.assert_close(out[0], out[1], atol=2e-6, rtol=2e-5)
+    with pytest.raises(ValueError, match="holds 24 tokens"):
+        ForwardContext(ours, positions=torch.tensor([24]), start_pos=24)
+
+
+@needs_kernel
+def test_simple_path_takes_the_kernel_backend_on_a_float32_cpu_model(monkeypatch):
+    from minfer.attention import ContiguousBackend
+    from minfer.generate import SimpleGenerator
+    from minfer.config import ModelConfig
+    from minfer.model.llama import LlamaForCausalLM
+
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    gen = SimpleGenerator(LlamaForCausalLM(cfg).eval())
+    assert type(gen.new_cache(8)) is cpu.CpuContiguousBackend
+    monkeypatch.setattr(cpu, "_library", lambda: (_ for _ in ()).throw(cpu.CpuKernelUnavailable("off")))
+    assert type(gen.new_cache(8)) is ContiguousBackend

@@ -31,7 +31,7 @@ import torch
 
 from minfer.attention.base import Attention, ForwardContext
 from minfer.attention.kv_quant import KVCacheSpec, code_table
-from minfer.attention.torch_ref import PagedTorchBackend
+from minfer.attention.torch_ref import ContiguousBackend, PagedTorchBackend
 
 logger = logging.getLogger(__name__)
 
@@ -208,16 +208,27 @@ def paged_attention_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         slopes = alibi_slopes.to(device="cpu", dtype=torch.float32).contiguous()
         if slopes.shape != (h,):
             raise ValueError(f"alibi_slopes must be [{h}], got {tuple(slopes.shape)}")
-    common = (block_tables.data_ptr(), context_lens.data_ptr(), b, h, kvh, d, k_cache.shape[1], block_tables.shape[1],
-              scale, sliding_window or 0, slopes.data_ptr() if slopes is not None else None, torch.get_num_threads())
-    if quantized:
+    _decode_unchecked(lib, out, q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, slopes,
+                      k_scales, v_scales)
+    return out
+
+
+def _decode_unchecked(lib, out, q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, slopes,
+                      k_scales, v_scales) -> None:
+    """The kernel call itself, on tensors `paged_attention_decode_cpu` checked (or a backend checked once per
+    forward): contiguous, of the right dtypes and shapes, int32 tables, `slopes` contiguous float32 or None.
+    A backend calls this per layer so that a decode step pays the checks once, not once per layer."""
+    b, h, d = q.shape
+    common = (block_tables.data_ptr(), context_lens.data_ptr(), b, h, k_cache.shape[2], d, k_cache.shape[1],
+              block_tables.shape[1], scale, sliding_window or 0, slopes.data_ptr() if slopes is not None else None,
+              torch.get_num_threads())
+    if k_scales is not None:
         lut = None if k_cache.dtype == torch.int8 else _code_table(k_cache.dtype)
         lib.minfer_paged_decode_q8(out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                    k_scales.data_ptr(), v_scales.data_ptr(),
                                    lut.data_ptr() if lut is not None else None, *common)
     else:
         lib.minfer_paged_decode_f32(out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *common)
-    return out
 
 
 QUANTIZED_CODES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
@@ -250,10 +261,12 @@ class CpuPagedBackend(PagedTorchBackend):
 
     def __init__(self, kv_caches: list[torch.Tensor], kv_scales: list[torch.Tensor] | None = None,
                  spec: KVCacheSpec | None = None):
-        _library()
+        self._lib = _library()
         if any(c.dtype not in (torch.float32, *QUANTIZED_CODES) or c.device.type != "cpu" for c in kv_caches):
             raise CpuKernelUnavailable(f"the CPU kernel reads a float32, int8 or fp8 KV pool on the CPU; got "
                                        f"{kv_caches[0].dtype} on {kv_caches[0].device}")
+        if not all(c.is_contiguous() for c in kv_caches + list(kv_scales or [])):
+            raise CpuKernelUnavailable("the CPU kernel reads contiguous K/V (and scale) tensors in place")
         super().__init__(kv_caches, kv_scales, spec)
 
     def _decode_plan(self, ctx: ForwardContext) -> CpuDecodeTables:
@@ -269,7 +282,70 @@ class CpuPagedBackend(PagedTorchBackend):
         plan = ctx.attn_metadata.decode
         if q.dtype != torch.float32:
             raise ValueError(f"attention_backend='cpu' computes in float32; this model runs in {q.dtype}")
+        if q.shape[1] > MAX_HEADS:
+            raise ValueError(f"{q.shape[1]} query heads: the CPU kernel holds at most {MAX_HEADS}")
         sc = self.kv_scales[layer.layer_idx] if self.kv_scales is not None else (None, None)
-        return paged_attention_decode_cpu(q.contiguous(), kv[0], kv[1], plan.block_tables, plan.context_lens,
-                                          layer.scale, layer.sliding_window, layer.alibi_slopes, validate=False,
-                                          k_scales=sc[0], v_scales=sc[1])
+        # The pool's tensors were checked at construction and the tables once per forward (`_decode_plan`):
+        # the kernel is called without `paged_attention_decode_cpu`'s per-call checks (tens of microseconds of
+        # Python per layer, more than the kernel at batch 1).
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        slopes = layer.alibi_slopes
+        if slopes is not None:
+            slopes = slopes.to(device="cpu", dtype=torch.float32).contiguous()
+        _decode_unchecked(self._lib, out, q, kv[0], kv[1], plan.block_tables, plan.context_lens, layer.scale,
+                          layer.sliding_window, slopes, sc[0], sc[1])
+        return out
+
+
+class CpuContiguousBackend(ContiguousBackend):
+    """Chapter 1's contiguous one-sequence cache whose decode steps (one query) run the C++ kernel of
+    `CpuPagedBackend`, reading the cache in place as one block of `max_len` tokens (block table `[[0]]`).
+
+    The simple path (`minfer.generate.SimpleGenerator`) takes it for a float32 model on the CPU where the
+    kernel builds, so that it attends with the very kernel the engine decodes with (the engine's greedy tokens
+    are tested against it, token for token), and pays one kernel call per layer instead of the transposes and
+    the SDPA call of the torch reference: at batch 1 those were about a seventh of a gguf decode token
+    (chapter 9). Prefill (more than one query) attends through `ContiguousBackend`'s SDPA, as the paged
+    backends' prefill does. A quantized cache (`kv_cache_dtype` int8 / fp8) is read as codes with their
+    per-token scales, as in the pool.
+
+    Raises (construction): CpuKernelUnavailable where the kernel cannot be built, or cannot read this cache
+    (not float32 / 8-bit codes on the CPU), so the caller can fall back to `ContiguousBackend`.
+    """
+
+    name = "contiguous-cpu"
+
+    def __init__(self, num_layers: int, max_len: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu", kv_cache_dtype: str = "auto"):
+        self._lib = _library()
+        if dtype != torch.float32 or torch.device(device).type != "cpu":
+            raise CpuKernelUnavailable(f"the CPU decode kernel computes in float32 on the CPU, not {dtype} on {device}")
+        super().__init__(num_layers, max_len, num_kv_heads, head_dim, dtype, device, kv_cache_dtype)
+        self._block_table = torch.zeros(1, 1, dtype=torch.int32)
+
+    def prepare(self, ctx: ForwardContext):
+        """A one-token forward: the context length `[1]` int32, shared by all layers (None for a prefill)."""
+        if ctx.positions.shape[0] != 1:
+            return None
+        end = ctx.start_pos + 1
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} tokens; this forward needs {end}")
+        return torch.tensor([end], dtype=torch.int32)
+
+    def attend(self, layer: Attention, q, k, v, ctx: ForwardContext) -> torch.Tensor:
+        lens = ctx.attn_metadata
+        if lens is None or q.dtype != torch.float32 or layer.num_heads > MAX_HEADS:
+            return super().attend(layer, q, k, v, ctx)
+        kv = self.kv_caches[layer.layer_idx]
+        sc = self.kv_scales[layer.layer_idx] if self.kv_scales is not None else None
+        slopes = layer.alibi_slopes
+        if slopes is not None:
+            slopes = slopes.to(dtype=torch.float32).contiguous()
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        # kv[i] is [max_len, KVH, D]: one block of max_len tokens, [1, max_len, KVH, D] without a copy.
+        _decode_unchecked(self._lib, out, q, kv[0].unsqueeze(0), kv[1].unsqueeze(0), self._block_table, lens,
+                          layer.scale, layer.sliding_window, slopes,
+                          None if sc is None else sc[0].unsqueeze(0), None if sc is None else sc[1].unsqueeze(0))
+        return out

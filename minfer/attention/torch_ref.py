@@ -86,8 +86,7 @@ class ContiguousBackend(AttentionBackend):
             raise ValueError(f"KV cache holds {self.max_len} tokens; this forward needs {end}")
         kv = self.kv_caches[layer.layer_idx]
         if self.kv_scales is None:
-            kv[0, start:end] = k
-            kv[1, start:end] = v
+            kv[:, start:end].copy_(torch.stack((k, v)))  # one slice and one copy for K and V together
             return
         sc = self.kv_scales[layer.layer_idx]
         for i, x in enumerate((k, v)):

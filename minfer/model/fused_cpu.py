@@ -12,8 +12,12 @@ layers take either set (`BuildOptions.fused_ops = "cpu"` or `"triton"`, `minfer.
 float32 CPU tensors only (what the engine's CPU path runs); the loops are split over rows with OpenMP
 (`torch.get_num_threads()` threads). They are built like the paged-decode kernel (`minfer.attention.cpu.
 load_cpu_library`: once per checkout, source version and kind of CPU); `fused_cpu_available()` says whether
-that worked, and the worker falls back to plain torch, silently, where it did not. `MINFER_CPU_KERNELS=0`
-turns them off. Results match the torch ops to a few float32 ulps (`tests/test_fused_cpu.py`).
+that worked, and the loader falls back to plain torch, silently, where it did not. `MINFER_FUSED_CPU_OPS=1`
+turns them on for every float32 CPU model at once (`minfer.model.loader.load_model`'s "auto", the worker's
+too, so the engine's model and any other one compute alike); they are off by default until the quantized
+routes are batch-invariant (`loader.FUSED_CPU_OPS_DEFAULT` says why). `MINFER_CPU_KERNELS=0` disables them. Results match the torch ops to a few
+float32 ulps, and are batch-invariant: a row's bits do not depend on how many rows come with it, on its address
+or on the thread split (`tests/test_fused_cpu.py`; how, at the top of `csrc/fused_cpu.cpp`).
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("csrc") / "fused_cpu.cpp"
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+# No -ffast-math, and no fused multiply-adds: every row gets the same float operations in the same order,
+# whatever its address or batch (batch invariance; the top of csrc/fused_cpu.cpp says how).
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
 
 
 class FusedCpuUnavailable(RuntimeError):
@@ -61,56 +67,69 @@ def fused_cpu_available() -> bool:
 
 
 def _check(name: str, t: torch.Tensor) -> None:
-    if t.dtype != torch.float32 or t.device.type != "cpu":
+    # `is_cpu` and a dtype comparison: cheap (`t.device.type` builds a device object per call).
+    if t.dtype != torch.float32 or not t.is_cpu:
         raise ValueError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
 
 
-def _rows(name: str, x: torch.Tensor) -> torch.Tensor:
-    """x as `[rows, last]` with a contiguous last dim (a view where the strides allow it)."""
+def _rows(name: str, x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """x as rows of its last dim: (a tensor whose rows the kernel reads, rows, row stride in floats). A
+    contiguous x (what the model passes) goes as it is; another one as a `[rows, last]` view where the
+    strides allow it, else a contiguous copy."""
     _check(name, x)
-    x2 = x.reshape(-1, x.shape[-1])
-    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+    n = x.shape[-1]
+    if x.is_contiguous():
+        return x, (x.numel() // n if n else 0), n
+    x2 = x.reshape(-1, n)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    return x2, x2.shape[0], x2.stride(0)
 
 
 def _check_weight(weight: torch.Tensor, n: int) -> torch.Tensor:
     _check("weight", weight)
-    if weight.shape != (n,):
+    if weight.dim() != 1 or weight.shape[0] != n:
         raise ValueError(f"weight must be [{n}], got {tuple(weight.shape)}")
-    return weight.contiguous()
+    return weight if weight.is_contiguous() else weight.contiguous()
 
+
+# The per-call Python work is most of a batch-1 call (a 576-float row takes well under a microsecond in
+# C++), so the wrappers below check cheaply, allocate one output each with `empty_like`-shaped calls and
+# pass plain integers to ctypes (chapter 9 measures it).
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) * weight over the last dim (Zhang & Sennrich, 2019).
 
-    x float32 `[..., hidden]`, weight float32 `[hidden]` -> a new tensor like x.
+    x float32 `[..., hidden]`, weight float32 `[hidden]` -> a new contiguous tensor of x's shape.
     Raises ValueError on another dtype or device, or a weight of the wrong shape.
     """
-    x2 = _rows("x", x)
-    w = _check_weight(weight, x2.shape[1])
-    out = torch.empty(x2.shape, dtype=x.dtype)
-    if x2.numel():
-        _library().minfer_rms_norm_f32(out.data_ptr(), x2.data_ptr(), w.data_ptr(), x2.shape[0], x2.shape[1],
-                                       x2.stride(0), out.stride(0), float(eps), torch.get_num_threads())
-    return out.view(x.shape)
+    x2, rows, stride = _rows("x", x)
+    n = x.shape[-1]
+    w = _check_weight(weight, n)
+    out = torch.empty(x.shape, dtype=torch.float32)
+    if rows and n:
+        _library().minfer_rms_norm_f32(out.data_ptr(), x2.data_ptr(), w.data_ptr(), rows, n, stride, n, float(eps),
+                                       torch.get_num_threads())
+    return out
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual) * weight, x + residual) in one pass (vLLM's contract; inputs not modified).
 
-    x, residual float32 `[..., hidden]` of one shape; weight float32 `[hidden]`.
+    x, residual float32 `[..., hidden]` of one shape; weight float32 `[hidden]`. Returns two new contiguous
+    tensors of that shape.
     Raises ValueError on a shape, dtype or device mismatch.
     """
     if x.shape != residual.shape:
         raise ValueError(f"x and residual must match, got {tuple(x.shape)} vs {tuple(residual.shape)}")
-    x2, r2 = _rows("x", x), _rows("residual", residual)
-    w = _check_weight(weight, x2.shape[1])
-    out, res_out = torch.empty(x2.shape, dtype=x.dtype), torch.empty(x2.shape, dtype=x.dtype)
-    if x2.numel():
+    (x2, rows, xs), (r2, _, rs) = _rows("x", x), _rows("residual", residual)
+    n = x.shape[-1]
+    w = _check_weight(weight, n)
+    out, res_out = torch.empty(x.shape, dtype=torch.float32), torch.empty(x.shape, dtype=torch.float32)
+    if rows and n:
         _library().minfer_fused_add_rms_norm_f32(out.data_ptr(), res_out.data_ptr(), x2.data_ptr(), r2.data_ptr(),
-                                                 w.data_ptr(), x2.shape[0], x2.shape[1], x2.stride(0), r2.stride(0),
-                                                 float(eps), torch.get_num_threads())
-    return out.view(x.shape), res_out.view(x.shape)
+                                                 w.data_ptr(), rows, n, xs, rs, float(eps), torch.get_num_threads())
+    return out, res_out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -118,13 +137,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     Raises ValueError on an odd last dim, another dtype or device."""
     if x.shape[-1] % 2:
         raise ValueError(f"last dim must be even (gate and up halves), got {x.shape[-1]}")
-    x2 = _rows("x", x)
-    inter = x2.shape[1] // 2
-    out = torch.empty(x2.shape[0], inter, dtype=x.dtype)
-    if out.numel():
-        _library().minfer_silu_and_mul_f32(out.data_ptr(), x2.data_ptr(), x2.shape[0], inter, x2.stride(0),
+    x2, rows, stride = _rows("x", x)
+    inter = x.shape[-1] // 2
+    out = torch.empty((*x.shape[:-1], inter), dtype=torch.float32)
+    if rows and inter:
+        _library().minfer_silu_and_mul_f32(out.data_ptr(), x2.data_ptr(), rows, inter, stride,
                                            torch.get_num_threads())
-    return out.view(*x.shape[:-1], inter)
+    return out
 
 
 def apply_rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
@@ -148,7 +167,8 @@ def apply_rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError(f"q and k must be contiguous along the last dim (in-place kernel), got strides "
                          f"{q.stride()} and {k.stride()}")
-    cos, sin = cos.contiguous(), sin.contiguous()
+    cos = cos if cos.is_contiguous() else cos.contiguous()
+    sin = sin if sin.is_contiguous() else sin.contiguous()
     if t:
         _library().minfer_rotary_f32(q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(), t, h, k.shape[1],
                                      d, q.stride(0), q.stride(1), k.stride(0), k.stride(1), torch.get_num_threads())

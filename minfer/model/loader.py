@@ -251,10 +251,21 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None, device
     return torch_dtype(dtype)
 
 
-def use_fused_cpu(device: torch.device, dtype: torch.dtype) -> bool:
+# Whether `fused_ops="auto"` (the default of `load_model` and of the worker) takes the fused CPU ops. Off until
+# the quantized routes are batch-invariant: the ops themselves are (bit for bit, tests/test_fused_cpu.py), but
+# with them on, two engine-vs-simple-path tests land on near-ties that a batch-dependent route elsewhere flips
+# (int8 weights: bfloat16 activations through the kernel for <= 4 rows and F.linear above; an int8 KV cache
+# under chunked prefill: codes rounded from K computed in chunks). MINFER_FUSED_CPU_OPS=1 turns them on for
+# every model at once (the engine's, the simple path's, any `load_model`), so both sides stay the same ops.
+FUSED_CPU_OPS_DEFAULT = "0"
+
+
+def use_fused_cpu(device: torch.device, dtype: torch.dtype, requested: bool = False) -> bool:
     """Whether a model on `device` in `dtype` gets the fused CPU element-wise ops (`minfer.model.fused_cpu`):
-    float32 on the CPU, `MINFER_FUSED_CPU_OPS` not "0", and the C++ builds here (built on the first call)."""
-    if device.type != "cpu" or dtype != torch.float32 or os.environ.get("MINFER_FUSED_CPU_OPS", "1") == "0":
+    float32 on the CPU, the C++ builds here (built on the first call), and `MINFER_FUSED_CPU_OPS` is "1" (or,
+    for an explicit `requested`, not "0")."""
+    flag = os.environ.get("MINFER_FUSED_CPU_OPS", "1" if requested else FUSED_CPU_OPS_DEFAULT)
+    if device.type != "cpu" or dtype != torch.float32 or flag == "0":
         return False
     from minfer.model.fused_cpu import fused_cpu_available
 
@@ -263,7 +274,7 @@ def use_fused_cpu(device: torch.device, dtype: torch.dtype) -> bool:
 
 def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", device: str | torch.device | None = None,
                max_model_len: int | None = None, source: ModelSource | None = None,
-               fused_ops: bool | str = False, linear_method: LinearMethodBase | None = None,
+               fused_ops: bool | str = "auto", linear_method: LinearMethodBase | None = None,
                quantization: str | None = None, quantization_config: dict | str | None = None,
                max_parallel_loading_workers: int | None = None) -> LoadedModel:
     """Load a model by name (see `minfer.model.sources.resolve_model`) onto `device` in `dtype`.
@@ -271,7 +282,11 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
     Args:
         fused_ops: build RMSNorm, SiLU-and-mul and RoPE as fused kernels: "triton" (or True) the Triton ones
             (the Triton backend); "cpu" the C++ loops of `minfer.model.fused_cpu` where they apply (a float32
-            model on the CPU whose kernels build, and `MINFER_FUSED_CPU_OPS` is not "0"), else plain torch.
+            model on the CPU whose kernels build, and `MINFER_FUSED_CPU_OPS` is not "0"), else plain torch;
+            "auto" (the default, the worker's too) the same when `MINFER_FUSED_CPU_OPS=1`, else plain torch
+            (`FUSED_CPU_OPS_DEFAULT` says why); False plain torch. One default for the engine and for any model
+            loaded here, so both compute with the same ops (the loops are batch-invariant: a row's result does
+            not depend on the batch, `csrc/fused_cpu.cpp`).
         linear_method: how every Linear stores and multiplies its weight; default
             `default_linear_method(device, dtype)` (the fastest CPU layout, or "nn" on a GPU).
         quantization, quantization_config: a weight-quantization method of `minfer.quantization` and its
@@ -334,8 +349,8 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
         linear_method = PrequantizedLinearMethod(quantization, fallback=linear_method)
     elif quantization not in (None, "none"):
         linear_method = get_quantization_method(quantization, quantization_config, fallback=linear_method)
-    if fused_ops == "cpu" and not use_fused_cpu(device, dtype_):
-        fused_ops = False
+    if fused_ops in ("cpu", "auto"):
+        fused_ops = "cpu" if use_fused_cpu(device, dtype_, requested=fused_ops == "cpu") else False
     build = BuildOptions(linear_method=linear_method, fused_ops=fused_ops)
     max_positions = max(cfg.max_position_embeddings, max_model_len or 0)
     # Built straight on the device in its dtype (vLLM's `set_default_torch_dtype` + target device): the linear
