@@ -25,7 +25,7 @@ topics, joined in key order; PSF License), one segment of `--length` tokens. The
 is swapped per method; nothing else changes.
 
     python3 benchmarks/positions_scaling.py --smollm2   # assets/benchmarks/positions_scaling_smollm2.json
-    python3 benchmarks/positions_scaling.py --smollm2 --length 32768 --out assets/benchmarks/positions_scaling_smollm2_4x.json
+    python3 benchmarks/positions_scaling.py --smollm2 --length 32768   # assets/benchmarks/positions_scaling_smollm2_4x.json
 
 `--tiny` tests ALiBi's extrapolation claim on two tiny byte-level models trained for it by
 `benchmarks/train_tiny_positions.py` (one RoPE, one ALiBi, same text and budget, 128-token windows; no
@@ -257,8 +257,13 @@ def main(argv=None) -> int:
         return tiny_scaling(16 if args.segments == 4 else args.segments, 32 if args.bucket == 64 else args.bucket,
                             args.out or str(ROOT / "assets" / "benchmarks" / "positions_scaling_tiny.json"))
     if args.smollm2:
+        if args.length <= 8192:
+            raise SystemExit(f"--length {args.length}: SmolLM2 was trained on 8,192 positions; read more than that")
+        # the default length keeps the chapter's 1.25x file; another length gets its own (32768 -> ..._4x.json)
+        name = ("positions_scaling_smollm2.json" if args.length == 10240
+                else f"positions_scaling_smollm2_{args.length / 8192:g}x.json")
         return smollm2_scaling(args.length, 512 if args.bucket == 64 else args.bucket,
-                               args.out or str(ROOT / "assets" / "benchmarks" / "positions_scaling_smollm2.json"))
+                               args.out or str(ROOT / "assets" / "benchmarks" / name))
     args.out = args.out or str(ROOT / "assets" / "benchmarks" / "positions_scaling.json")
     from transformers import AutoTokenizer
 

@@ -171,7 +171,8 @@ def test_config_kernel_key():
 # The blocks route rounds activations to 8 bits per block of 32 (llama.cpp's choice), coarser than the older
 # route's bfloat16: measured on 'The capital of France is', step 5, the float32 model's two best tokens are
 # 0.22 nats apart and the blocks route takes the runner-up (the older route does not). Flips are allowed only
-# at such near-ties, on at most two prompts of the four (measured: two, against one of the references).
+# at such near-ties, on at most three prompts of the four (measured: two against one of the references; three
+# once the one-sequence path decoded through the C++ attention kernel, chapter 9 §9.2.4, each at a near-tie).
 BLOCKS_NEAR_TIE = 0.5
 
 
@@ -205,4 +206,4 @@ def test_engine_blocks_route_greedy_against_float_and_torch_route():
                 best, second = sorted(b.logprobs[i].values(), reverse=True)[:2]
                 assert a.token_ids[i] in b.logprobs[i] and best - second < BLOCKS_NEAR_TIE, (p, i, best - second)
                 flips += 1
-        assert flips <= 2
+        assert flips <= 3

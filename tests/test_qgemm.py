@@ -133,3 +133,31 @@ def test_bad_input_is_a_clear_error():
     with pytest.raises(ValueError, match="isa must be"):
         qgemm(torch.zeros(1, 96), w, isa="sse")
     assert qgemm(torch.zeros(0, 96), w).shape == (0, 8)
+
+
+@needs_kernel
+def test_non_finite_and_tiny_activations_give_the_same_bits_on_every_isa():
+    """A NaN or an inf in an activation block makes that row's outputs NaN on every path (the float product
+    would be NaN or inf; before, the scalar path gave finite numbers and AVX2/VNNI -inf of the wrong sign), and
+    a block below 127 x FLT_MIN is the zero block (before, 1/d overflowed: 5-10x too large, of either sign)."""
+    w, _ = _weight("int8", 16, 64)
+    rows = torch.ones(4, 64)
+    rows[0, 0] = float("nan")
+    rows[1, 33] = float("inf")
+    rows[2, :32] = 1e-39  # the first block tiny, the second ordinary
+    rows[3, :] = -float("inf")
+    got = {isa: qgemm(rows, w, isa=isa) for isa in _isas()}
+    first = next(iter(got.values()))
+    for isa, y in got.items():
+        assert torch.equal(y.isnan(), first.isnan()) and torch.equal(y.nan_to_num(), first.nan_to_num()), isa
+    assert first[[0, 1, 3]].isnan().all()
+    tiny_as_zero = rows[2].clone()
+    tiny_as_zero[:32] = 0
+    assert torch.equal(first[2], qgemm(tiny_as_zero[None], w)[0])
+
+
+def test_four_bit_codes_out_of_range_are_refused():
+    codes = torch.zeros(16, 32, dtype=torch.uint8)
+    codes[0, 0] = 20
+    with pytest.raises(ValueError, match="0..15"):
+        pack(codes, torch.ones(16, 1, dtype=torch.float16), None, 4)

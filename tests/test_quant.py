@@ -258,3 +258,15 @@ def test_server_refuses_bad_quantization_before_loading(flags, needle):
     r = subprocess.run([sys.executable, "-m", "minfer.serve", *flags], cwd=root, env=env, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and needle in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("k", [8, 100, 104])
+def test_int8_on_widths_the_packed_op_cannot_take(k):
+    """int8 on an input width that is not a multiple of 32 keeps the torch route, and torch's packed op reads
+    past the row for widths that are not a multiple of 16 (it returned ~4e33 or crashed the process for 100
+    and 104): those take dequantize + F.linear, the same W8A16 product."""
+    layer, w = make_linear(Int8LinearMethod(), 64, k, bias=True)
+    x = torch.randn(3, k)
+    y = layer(x)
+    ref = reference(x, Int8LinearMethod().dequantize(layer, torch.float32)) + layer.bias
+    assert float((y - ref).abs().max()) <= 1e-2 * float(ref.abs().max())

@@ -15,6 +15,7 @@ bf16 [T, in], qweight, scales) -> [T, out]` or a dequantize + `F.linear`.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from minfer.quantization.base import QuantizedLinearMethod, packed, store
 from minfer.quantization.qgemm import dequantize_rows, pack
@@ -59,4 +60,9 @@ class Int8LinearMethod(QuantizedLinearMethod):
         return dequantize_int8(layer.qweight, layer.scales, dtype)
 
     def kernel(self, layer, x2: torch.Tensor) -> torch.Tensor:
+        if layer.qweight.shape[1] % 16:
+            # torch's packed op reads past the row for widths that are not a multiple of 16 (measured: garbage
+            # or a segfault at 8, 100, 104): the same W8A16 product by dequantize + F.linear instead
+            y = F.linear(x2.to(torch.bfloat16).float(), dequantize_int8(layer.qweight, layer.scales))
+            return y.to(torch.bfloat16)
         return torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), layer.qweight, layer.scales)

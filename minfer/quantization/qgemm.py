@@ -193,6 +193,9 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bi
         raise ValueError(f"zero must be {scale.dtype} {tuple(scale.shape)}, got {zero.dtype} {tuple(zero.shape)}")
     if bits == 8 and (offset or zero is not None):
         raise ValueError("8-bit codes are symmetric: no offset and no zero")
+    if bits == 4 and (codes.dtype != torch.uint8 or int(codes.max()) > 15):
+        raise ValueError(f"4-bit codes must be uint8 in 0..15, got {codes.dtype} with max {int(codes.max())}"
+                         " (a larger code would spill into its neighbour's nibble)")
     return PackedWeight(pack_codes(codes, bits), pack_scales(scale.contiguous()),
                         pack_scales(zero.contiguous()) if zero is not None else None,
                         bits, offset, scale.dtype == torch.bfloat16, k // groups, n, k)

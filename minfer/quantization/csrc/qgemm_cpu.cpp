@@ -47,6 +47,7 @@
 
 #include <omp.h>
 
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -98,9 +99,34 @@ struct QuantizedRows {
   std::vector<int32_t> s;
 };
 
+// A block the 8-bit grid cannot hold, the same rule on every path (so the paths keep giving the same bits):
+// a NaN or an inf anywhere in it makes the block's scale NaN (every output of the row becomes NaN, as the
+// float product's would be NaN or inf: garbage must not come out finite), and a block whose scale would be
+// below the smallest normal float (max|x| < 127 * FLT_MIN, or all zeros) is the zero block.
+inline bool special_block(bool nonfinite, float amax, int8_t* q, float* d_out, int32_t* s_out, float* ds_out) {
+  const bool tiny = !(amax / 127.f >= FLT_MIN);
+  if (!nonfinite && !tiny) return false;
+  std::memset(q, 0, kBlock);
+  *d_out = nonfinite ? NAN : 0.f;
+  *s_out = 0;
+  *ds_out = nonfinite ? NAN : 0.f;
+  return true;
+}
+
+inline bool is_nonfinite(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  return (b & 0x7f800000u) == 0x7f800000u;
+}
+
 void quantize_block(const float* xb, int8_t* q, float* d_out, int32_t* s_out, float* ds_out) {
   float amax = 0.f;
-  for (int j = 0; j < kBlock; ++j) amax = std::fmax(amax, std::fabs(xb[j]));
+  bool nonfinite = false;
+  for (int j = 0; j < kBlock; ++j) {
+    nonfinite |= is_nonfinite(xb[j]);
+    amax = std::fmax(amax, std::fabs(xb[j]));
+  }
+  if (special_block(nonfinite, amax, q, d_out, s_out, ds_out)) return;
   const float d = amax / 127.f;
   const float id = d > 0.f ? 1.f / d : 0.f;
   int32_t sum = 0;
@@ -130,6 +156,11 @@ __attribute__((target("avx2,fma,f16c"))) void quantize_block_avx2(const float* x
   h = _mm_max_ps(h, _mm_movehl_ps(h, h));
   h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
   const float amax = _mm_cvtss_f32(h);
+  const __m256i expm = _mm256_set1_epi32(0x7f800000);
+  __m256i bad = _mm256_setzero_si256();
+  for (int i = 0; i < 4; ++i)
+    bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(v[i]), expm), expm));
+  if (special_block(!_mm256_testz_si256(bad, bad), amax, q, d_out, s_out, ds_out)) return;
   const float d = amax / 127.f;
   const float id = d > 0.f ? 1.f / d : 0.f;
   const __m256 vid = _mm256_set1_ps(id);
