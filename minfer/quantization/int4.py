@@ -43,8 +43,10 @@ def check_group_size(in_features: int, group_size: int, what: str = "a Linear") 
     if in_features % group_size:
         fits = [g for g in INT4_GROUP_SIZES if in_features % g == 0]
         raise ValueError(f"int4 group_size={group_size} does not divide {what}'s input width {in_features} "
-                         f"({in_features} = {in_features / group_size:g} groups); use one of {fits or 'none'}"
-                         " (every quantized layer's width must be a whole number of groups)")
+                         f"({in_features} = {in_features / group_size:g} groups); "
+                         + (f"use one of {fits}" if fits else f"no supported group size ({INT4_GROUP_SIZES}) divides it, "
+                            "so int4 cannot quantize this model (int8 can)")
+                         + " (every quantized layer's width must be a whole number of groups)")
 
 
 def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
