@@ -143,6 +143,17 @@ def run_vllm_client(url: str, args, port: int) -> dict | None:
                                    "median_tpot_ms", "mean_itl_ms", "completed")}
 
 
+def stop_server(proc: subprocess.Popen, log) -> None:
+    """Terminate a server started by `measure` (kill it after 60 s) and close its log."""
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    log.close()
+
+
 def measure(which: str, args) -> dict:
     port = free_port()
     cmd, env = server_cmd(which, args, port)
@@ -158,13 +169,7 @@ def measure(which: str, args) -> dict:
             res["client_vllm"] = run_vllm_client(url, args, port)
         return res
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+        stop_server(proc, log)
 
 
 def main(argv=None) -> int:

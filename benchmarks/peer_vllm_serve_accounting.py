@@ -207,13 +207,7 @@ def measure(which: str, args) -> dict:
             "log": log_path,
         }
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+        pvs.stop_server(proc, log)
 
 
 def print_result(which: str, res: dict) -> None:
