@@ -52,7 +52,7 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, cos_sin, ctx: ForwardContext) -> torch.Tensor:
         t, h, kvh = x.shape[0], self.num_heads, self.num_kv_heads
         # q|k|v as `[T, H + 2 KVH, D]` heads, then three slices of it: views, as `split` + `view` would give,
-        # in 4 aten calls instead of 7 (a batch-1 decode step pays each call 30 times; chapter 9 §9.2.3).
+        # in 4 aten calls instead of 7 (a batch-1 decode step pays each call 30 times; chapter 9 §9.2.4).
         qkv = self.qkv_proj(x).view(t, h + 2 * kvh, self.head_dim)
         q, k, v = qkv[:, :h], qkv[:, h:h + kvh], qkv[:, h + kvh:]
         if self.qk_norm:
