@@ -87,6 +87,38 @@ def test_backend_mixed_prefill_and_decode_equals_torch_reference():
 
 
 @needs_kernel
+@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 1, 48)])
+def test_bfloat16_pool_equals_attend_on_its_widened_values(heads):
+    """A bfloat16 pool (a bfloat16 model's): the kernel widens each K/V element to float32 as it reads it, so
+    it must equal float32 attention over the same (bfloat16-rounded) K/V; and the backend, given a bfloat16
+    query, answers in bfloat16 what the float32 kernel answers for the widened query."""
+    h, kvh, d = heads
+    lens = [1, 5, 17, 33, 64, 100, 2, 9, 40]
+    kv, tables, dense = _pool_and_tables(lens, 16, kvh, d, seed=5)
+    kv16 = kv.to(torch.bfloat16)
+    layer = Attention(0, h, kvh, d, scale=d ** -0.5)
+    q = torch.randn(len(lens), h, d).to(torch.bfloat16).float()
+    out = cpu.paged_attention_decode_cpu(q, kv16[0], kv16[1], tables, torch.tensor(lens), layer.scale)
+    for i in range(len(lens)):
+        keys, vals = (x.to(torch.bfloat16).float() for x in dense[i])
+        torch.testing.assert_close(out[i:i + 1], attend(layer, q[i:i + 1], keys, vals), rtol=1e-5, atol=1e-5)
+    backend = cpu.CpuPagedBackend([kv16.clone()])
+    ctx = ForwardContext(attn_backend=backend, positions=torch.tensor([n - 1 for n in lens]), num_prefills=0,
+                         num_prefill_tokens=0, cu_seqlens_q=torch.zeros(1, dtype=torch.int32),
+                         cu_seqlens_k=torch.zeros(1, dtype=torch.int32), max_seqlen_q=1, max_seqlen_k=max(lens),
+                         slot_mapping=torch.tensor([int(tables[i, (n - 1) // 16]) * 16 + (n - 1) % 16
+                                                    for i, n in enumerate(lens)]),
+                         block_tables=tables, context_lens=torch.tensor(lens, dtype=torch.int32))
+    ctx.attn_metadata = backend.prepare(ctx)
+    # the new K/V are the ones already in the pool at each sequence's last position
+    k_new = torch.stack([kv16[0].flatten(0, 1)[int(s)] for s in ctx.slot_mapping])
+    v_new = torch.stack([kv16[1].flatten(0, 1)[int(s)] for s in ctx.slot_mapping])
+    got = backend.forward(layer, q.to(torch.bfloat16), k_new, v_new, ctx)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, out.to(torch.bfloat16), rtol=0, atol=0)
+
+
+@needs_kernel
 def test_kernel_rejects_what_it_cannot_read():
     kv = torch.zeros(2, 4, 16, 2, 8)
     tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
@@ -97,7 +129,7 @@ def test_kernel_rejects_what_it_cannot_read():
     with pytest.raises(ValueError, match="multiple"):
         cpu.paged_attention_decode_cpu(torch.zeros(1, 3, 8), kv[0], kv[1], tables, lens, 1.0)
     with pytest.raises(cpu.CpuKernelUnavailable, match="float32"):
-        cpu.CpuPagedBackend([kv.to(torch.bfloat16)])
+        cpu.CpuPagedBackend([kv.to(torch.float16)])
     q = torch.zeros(1, 4, 8)
     # Out-of-range lengths or block ids would make the C++ read outside the pool: refused up front.
     with pytest.raises(ValueError, match="context_lens"):

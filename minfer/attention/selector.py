@@ -1,9 +1,9 @@
 """Choosing the attention backend (vLLM's `attention/selector.py`): `attention_backend` of `EngineArgs`.
 
     "torch"   PagedTorchBackend   plain torch, any device and dtype (the reference)
-    "cpu"     CpuPagedBackend     the C++ decode kernel; float32 on a CPU; an error where it cannot build
+    "cpu"     CpuPagedBackend     the C++ decode kernel; float32 or bfloat16 on a CPU; an error where it cannot build
     "triton"  TritonBackend       FlashAttention + paged flash-decoding kernels (CUDA, or Triton's interpreter)
-    "auto"    "cpu" for a float32 model on a CPU whose pool is float32, int8 or fp8, when its kernel builds
+    "auto"    "cpu" for a float32 or bfloat16 model on a CPU whose pool is float32, bfloat16, int8 or fp8, when its kernel builds
               (else "torch", with one warning); "torch" everywhere else
 
 A quantized pool (`kv_cache_dtype` int8 / fp8, `minfer.attention.kv_quant`) is read by every backend ("triton"
@@ -23,7 +23,8 @@ from minfer.config import ATTENTION_BACKENDS
 logger = logging.getLogger(__name__)
 
 
-_CPU_KERNEL_POOLS = (torch.float32, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+_CPU_KERNEL_POOLS = (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+_CPU_KERNEL_MODELS = (torch.float32, torch.bfloat16)  # the kernel computes in float32; bfloat16 is widened
 
 
 def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype,
@@ -38,7 +39,7 @@ def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype,
         raise ValueError(f"attention_backend must be one of {', '.join(map(repr, ATTENTION_BACKENDS))}, got {name!r}")
     if name == "auto":
         kv_dtype = dtype if kv_dtype is None else kv_dtype
-        return "cpu" if device.type == "cpu" and dtype == torch.float32 and kv_dtype in _CPU_KERNEL_POOLS else "torch"
+        return "cpu" if device.type == "cpu" and dtype in _CPU_KERNEL_MODELS and kv_dtype in _CPU_KERNEL_POOLS else "torch"
     return name
 
 
@@ -68,8 +69,8 @@ def get_attn_backend(name: str, kv_caches: list[torch.Tensor], kv_scales: list[t
         from minfer.attention.cpu import CpuKernelUnavailable, CpuPagedBackend
 
         try:
-            if model_dtype not in (None, torch.float32):
-                raise CpuKernelUnavailable(f"it computes in float32; this model runs in {model_dtype}")
+            if model_dtype not in (None, *_CPU_KERNEL_MODELS):
+                raise CpuKernelUnavailable(f"it runs float32 or bfloat16 models; this one runs in {model_dtype}")
             return CpuPagedBackend(kv_caches, kv_scales, spec)
         except CpuKernelUnavailable as e:
             if name_in == "cpu":

@@ -18,7 +18,7 @@
 //
 // Layout contract (checked on the Python side, minfer/model/paged_attention_cpu.py):
 //   q, out         float32 [B, H, D], contiguous
-//   k_cache, v_cache float32 [num_blocks, block_size, KVH, D], contiguous
+//   k_cache, v_cache float32 [num_blocks, block_size, KVH, D], contiguous (or bfloat16: minfer_paged_decode_bf16)
 //   block_tables   int32 [B, max_blocks], contiguous; context_lens int32 [B]
 //   alibi_slopes   float32 [H] or null
 // Built with -ffast-math so that the exp loop is vectorized (glibc's libmvec): no value here is inf or NaN.
@@ -67,6 +67,18 @@ struct Int8 {
   static inline const float* row(const int8_t* src, float* buf, int64_t D, const float*) {
 #pragma omp simd
     for (int64_t d = 0; d < D; ++d) buf[d] = (float)src[d];
+    return buf;
+  }
+};
+// A bfloat16 pool (a bfloat16 model's): bfloat16 is the top half of a float32, so widening is a 16-bit shift,
+// exact; the arithmetic stays float32 (more precise than SDPA run in bfloat16, and the same for every row).
+struct BF16 {
+  using T = uint16_t;
+  static constexpr bool kScaled = false;
+  static inline const float* row(const uint16_t* src, float* buf, int64_t D, const float*) {
+    uint32_t* bits = reinterpret_cast<uint32_t*>(buf);
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) bits[d] = (uint32_t)src[d] << 16;
     return buf;
   }
 };
@@ -187,6 +199,21 @@ extern "C" void minfer_paged_decode_f32(
                                   : paged_decode<0, Float>;
   kernel(out, q, k_cache, v_cache, nullptr, nullptr, nullptr, block_tables, context_lens, num_seqs, num_heads,
          num_kv_heads, head_dim, block_size, max_blocks, scale, window, alibi_slopes, num_threads);
+}
+
+// The bfloat16 pool: k_cache/v_cache bfloat16 bits [num_blocks, block_size, KVH, D]; q and out stay float32.
+extern "C" void minfer_paged_decode_bf16(
+    float* out, const float* q, const void* k_cache, const void* v_cache,
+    const int32_t* block_tables, const int32_t* context_lens,
+    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t block_size, int64_t max_blocks, float scale, int64_t window, const float* alibi_slopes,
+    int num_threads) {
+  auto kernel = head_dim == 64    ? paged_decode<64, BF16>
+                : head_dim == 128 ? paged_decode<128, BF16>
+                                  : paged_decode<0, BF16>;
+  kernel(out, q, (const uint16_t*)k_cache, (const uint16_t*)v_cache, nullptr, nullptr, nullptr, block_tables,
+         context_lens, num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale, window,
+         alibi_slopes, num_threads);
 }
 
 // The quantized pool: k_cache/v_cache hold one byte per element (int8 codes, or fp8 bytes decoded by `lut`,
