@@ -27,7 +27,7 @@ The unquantized methods here are the CPU weight layouts that chapter 1 §1.7 mea
   AMD EPYC (Zen 4) CPUs of this course it is 1.2-2.5x faster than MKL for products of 2 to 2,000 rows
   (batched decode, prefill), but slower than "split" for a single row. Its packed tensor is opaque, so a
   head whose table is also the embedding keeps a plain copy for `weight_rows` (`layer.keep_rows`).
-- `"hybrid"` (the default for float32 on a CPU with oneDNN): both copies, "split" for one row and "onednn"
+- `"hybrid"` (the default for float32 and bfloat16 on a CPU with oneDNN): both copies, "split" for one row and "onednn"
   for more. It stores the weights twice (2 x 540 MB for SmolLM2 in float32), the price of the fastest
   product at every batch size; `MINFER_LINEAR_LAYOUT=split` keeps one copy.
 """
@@ -160,9 +160,10 @@ ONEDNN_BATCH_HINT = 64  # rows oneDNN tunes its packing for; measured equal to e
 
 
 def _onednn_pack(layer: "Linear", name: str) -> torch.Tensor:
-    """oneDNN's packed copy of the layer's `[out, in]` float32 weight. Raises ValueError where it cannot be."""
-    if not onednn_available() or layer.weight.dtype != torch.float32:
-        raise ValueError(f"the {name} layout needs a torch with oneDNN and a float32 weight")
+    """oneDNN's packed copy of the layer's `[out, in]` float32 or bfloat16 weight (bfloat16: oneDNN's AVX512-BF16 /
+    AMX kernels where the CPU has them). Raises ValueError where it cannot be."""
+    if not onednn_available() or layer.weight.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the {name} layout needs a torch with oneDNN and a float32 or bfloat16 weight")
     return torch.ops.mkldnn._reorder_linear_weight(layer.weight.data, ONEDNN_BATCH_HINT)
 
 
@@ -221,8 +222,12 @@ def get_linear_method(name: str) -> LinearMethodBase:
 
 
 def default_linear_method(device: torch.device | str, dtype: torch.dtype) -> LinearMethodBase:
-    """`MINFER_LINEAR_LAYOUT` if set, else "nn" on a GPU, "hybrid" for float32 on a CPU with oneDNN, "split"
-    otherwise. Raises ValueError for a bad override."""
+    """`MINFER_LINEAR_LAYOUT` if set, else "nn" on a GPU, "hybrid" for float32 or bfloat16 on a CPU with oneDNN,
+    "split" otherwise. Raises ValueError for a bad override.
+
+    bfloat16 took "split" (a batched matmul) until issue 18's profile of a bfloat16 server: there the linears of
+    a 16-row decode step ran at 6-20 GFLOP/s through `bmm`, oneDNN's packed bfloat16 product at 75-240
+    (`benchmarks/wave_profile.py`, chapter 9 §9.2.5)."""
     forced = os.environ.get("MINFER_LINEAR_LAYOUT")
     if forced:
         if forced not in LINEAR_METHODS:
@@ -230,4 +235,6 @@ def default_linear_method(device: torch.device | str, dtype: torch.dtype) -> Lin
         return get_linear_method(forced)
     if torch.device(device).type != "cpu":
         return UnquantizedLinearMethod()
-    return HybridLinearMethod() if dtype == torch.float32 and onednn_available() else SplitLinearMethod()
+    if dtype in (torch.float32, torch.bfloat16) and onednn_available():
+        return HybridLinearMethod()
+    return SplitLinearMethod()
