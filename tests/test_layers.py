@@ -67,6 +67,23 @@ def test_onednn_linear_equals_f_linear(layout, in_f, out_f, bias, tokens):
         lin.process_weights_after_loading()
 
 
+@needs_onednn
+@pytest.mark.parametrize("tokens", [1, 16, 130])
+def test_hybrid_linear_in_bfloat16_equals_f_linear(tokens):
+    """bfloat16 on a CPU takes "hybrid" too (oneDNN's packed bfloat16 product for more than one row): it must
+    compute what F.linear does in bfloat16, to bfloat16's rounding (sums in float32 in both, rounded once)."""
+    torch.manual_seed(0)
+    w, x = torch.randn(48, 64).bfloat16(), torch.randn(tokens, 64).bfloat16()
+    lin = Linear(64, 48, method="hybrid")
+    lin.weight.data = w.clone()
+    lin.method.splits = 2
+    lin.process_weights_after_loading()
+    assert lin.packed.is_mkldnn
+    got = lin(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), (x.float() @ w.float().T), rtol=1.6e-2, atol=3e-2)
+
+
 def test_bad_layouts_are_named(monkeypatch):
     with pytest.raises(ValueError, match="unknown Linear layout"):
         Linear(4, 4, method="fast")
@@ -81,7 +98,7 @@ def test_bad_layouts_are_named(monkeypatch):
     assert default_linear_method("cpu", torch.float32).name == "split"
     monkeypatch.delenv("MINFER_LINEAR_LAYOUT")
     assert default_linear_method("cpu", torch.float32).name == ("hybrid" if onednn_available() else "split")
-    assert default_linear_method("cpu", torch.bfloat16).name == "split"
+    assert default_linear_method("cpu", torch.bfloat16).name == ("hybrid" if onednn_available() else "split")
     assert default_linear_method("cuda", torch.bfloat16).name == "nn"
     assert set(LINEAR_METHODS) == {"nn", "split", "onednn", "hybrid"}
 
