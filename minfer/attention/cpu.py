@@ -141,9 +141,9 @@ def paged_attention_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     Args:
         q: float32 `[B, H, D]`, the query of each decoding sequence (position `context_lens[b] - 1`).
         k_cache, v_cache: float32 or bfloat16 `[num_blocks, block_size, KVH, D]`, one layer's pool (K/V of
-            this step already stored; bfloat16 is widened to float32 exactly as it is read); or a quantized pool (`minfer.attention.kv_quant`): int8 / float8_e4m3fn /
-            float8_e5m2 codes of that shape, with `k_scales`, `v_scales` float32 `[num_blocks, block_size, KVH]`
-            (x = code * scale per token and head).
+            this step already stored; bfloat16 is widened to float32 exactly as it is read); or a quantized
+            pool (`minfer.attention.kv_quant`): int8 / float8_e4m3fn / float8_e5m2 codes of that shape, with
+            `k_scales`, `v_scales` float32 `[num_blocks, block_size, KVH]` (x = code * scale per token and head).
         block_tables: int32 `[B, max_blocks]`; context_lens: int32 `[B]`, keys each sequence sees (>= 1).
         scale: softmax scale (usually D ** -0.5). sliding_window: attend only to the newest W keys.
         alibi_slopes: float32 `[H]` or None (bias -slope * distance, Press et al. 2022).

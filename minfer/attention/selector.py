@@ -3,8 +3,8 @@
     "torch"   PagedTorchBackend   plain torch, any device and dtype (the reference)
     "cpu"     CpuPagedBackend     the C++ decode kernel; float32 or bfloat16 on a CPU; an error where it cannot build
     "triton"  TritonBackend       FlashAttention + paged flash-decoding kernels (CUDA, or Triton's interpreter)
-    "auto"    "cpu" for a float32 or bfloat16 model on a CPU whose pool is float32, bfloat16, int8 or fp8, when its kernel builds
-              (else "torch", with one warning); "torch" everywhere else
+    "auto"    "cpu" for a float32 or bfloat16 model on a CPU whose pool is float32, bfloat16, int8 or fp8, when
+              its kernel builds (else "torch", with one warning); "torch" everywhere else
 
 A quantized pool (`kv_cache_dtype` int8 / fp8, `minfer.attention.kv_quant`) is read by every backend ("triton"
 dequantizes inside its kernels); a cast pool (`kv_cache_dtype="bfloat16"` under a float32 model) by "torch"
@@ -39,7 +39,8 @@ def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype,
         raise ValueError(f"attention_backend must be one of {', '.join(map(repr, ATTENTION_BACKENDS))}, got {name!r}")
     if name == "auto":
         kv_dtype = dtype if kv_dtype is None else kv_dtype
-        return "cpu" if device.type == "cpu" and dtype in _CPU_KERNEL_MODELS and kv_dtype in _CPU_KERNEL_POOLS else "torch"
+        kernel = device.type == "cpu" and dtype in _CPU_KERNEL_MODELS and kv_dtype in _CPU_KERNEL_POOLS
+        return "cpu" if kernel else "torch"
     return name
 
 

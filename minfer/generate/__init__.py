@@ -60,10 +60,10 @@ class SimpleGenerator:
         self.output_processor = output_processor
 
     def new_cache(self, max_len: int) -> ContiguousBackend:
-        """A contiguous cache of `max_len` tokens. A float32 or bfloat16 model on the CPU gets `CpuContiguousBackend`: its
-        decode steps attend with the C++ kernel the engine decodes with (same ops on both sides of the
-        engine-vs-simple-path tests, and one kernel call per layer); elsewhere, or where the kernel does not
-        build (`MINFER_CPU_KERNELS=0`), the torch reference."""
+        """A contiguous cache of `max_len` tokens. A float32 or bfloat16 model on the CPU gets
+        `CpuContiguousBackend`: its decode steps attend with the C++ kernel the engine decodes with (same ops on
+        both sides of the engine-vs-simple-path tests, and one kernel call per layer); elsewhere, or where the
+        kernel does not build (`MINFER_CPU_KERNELS=0`), the torch reference."""
         args = (self.cfg.num_hidden_layers, max_len, self.cfg.num_key_value_heads, self.cfg.head_dim, self.dtype,
                 self.device, self.kv_cache_dtype)
         if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
