@@ -226,7 +226,7 @@ def default_linear_method(device: torch.device | str, dtype: torch.dtype) -> Lin
     "split" otherwise. Raises ValueError for a bad override.
 
     bfloat16 took "split" (a batched matmul) until issue 18's profile of a bfloat16 server: there the linears of
-    a 16-row decode step ran at 6-20 GFLOP/s through `bmm`, oneDNN's packed bfloat16 product at 75-240
+    a 16-row decode step ran at 6-52 GFLOP/s through `bmm`, oneDNN's packed bfloat16 product at 74-240
     (`benchmarks/wave_profile.py`, chapter 9 §9.2.5)."""
     forced = os.environ.get("MINFER_LINEAR_LAYOUT")
     if forced:
