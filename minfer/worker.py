@@ -61,7 +61,7 @@ class Worker:
         self.args = args
         loaded = load_model(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                             # Triton's fused element-wise kernels with its attention; else the loader's
-                            # default ("auto": the batch-invariant C++ CPU loops with MINFER_FUSED_CPU_OPS=1,
+                            # default ("auto": the batch-invariant C++ CPU loops with on unless MINFER_FUSED_CPU_OPS=0,
                             # plain torch otherwise), the same ops as any model `load_model` gives (the
                             # simple path's, a saved directory's round trip).
                             fused_ops="triton" if args.attention_backend == "triton" else "auto",

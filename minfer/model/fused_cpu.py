@@ -12,10 +12,10 @@ layers take either set (`BuildOptions.fused_ops = "cpu"` or `"triton"`, `minfer.
 float32 CPU tensors only (what the engine's CPU path runs); the loops are split over rows with OpenMP
 (`torch.get_num_threads()` threads). They are built like the paged-decode kernel (`minfer.attention.cpu.
 load_cpu_library`: once per checkout, source version and kind of CPU); `fused_cpu_available()` says whether
-that worked, and the loader falls back to plain torch, silently, where it did not. `MINFER_FUSED_CPU_OPS=1`
-turns them on for every float32 CPU model at once (`minfer.model.loader.load_model`'s "auto", the worker's
-too, so the engine's model and any other one compute alike); they are off by default until the quantized
-routes are batch-invariant (`loader.FUSED_CPU_OPS_DEFAULT` says why). `MINFER_CPU_KERNELS=0` disables them. Results match the torch ops to a few
+that worked, and the loader falls back to plain torch, silently, where it did not. They are on by default for
+every float32 CPU model at once (`minfer.model.loader.load_model`'s "auto", the worker's too, so the engine's
+model and any other one compute alike); `MINFER_FUSED_CPU_OPS=0` turns them off (`loader.FUSED_CPU_OPS_DEFAULT`),
+and `MINFER_CPU_KERNELS=0` disables them with the other C++ kernels. Results match the torch ops to a few
 float32 ulps, and are batch-invariant: a row's bits do not depend on how many rows come with it, on its address
 or on the thread split (`tests/test_fused_cpu.py`; how, at the top of `csrc/fused_cpu.cpp`).
 """

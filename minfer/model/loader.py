@@ -251,19 +251,19 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None, device
     return torch_dtype(dtype)
 
 
-# Whether `fused_ops="auto"` (the default of `load_model` and of the worker) takes the fused CPU ops. Off until
-# the quantized routes are batch-invariant: the ops themselves are (bit for bit, tests/test_fused_cpu.py), but
-# with them on, two engine-vs-simple-path tests land on near-ties that a batch-dependent route elsewhere flips
-# (int8 weights: bfloat16 activations through the kernel for <= 4 rows and F.linear above; an int8 KV cache
-# under chunked prefill: codes rounded from K computed in chunks). MINFER_FUSED_CPU_OPS=1 turns them on for
-# every model at once (the engine's, the simple path's, any `load_model`), so both sides stay the same ops.
-FUSED_CPU_OPS_DEFAULT = "0"
+# Whether `fused_ops="auto"` (the default of `load_model` and of the worker) takes the fused CPU ops: on. The ops
+# are batch-invariant (bit for bit, tests/test_fused_cpu.py); the one engine-vs-simple-path test that lands on a
+# near-tie with them on (an int8 KV cache under chunked prefill, whose codes are rounded from K rows computed
+# in chunks by the float32 GEMM, which is not batch-invariant) takes the documented near-tie rule
+# (tests/test_kv_cache_quant.py: NEAR_TIE_FLIPS says what was measured). MINFER_FUSED_CPU_OPS=0 turns them off
+# for every model at once (the engine's, the simple path's, any `load_model`), so both sides stay the same ops.
+FUSED_CPU_OPS_DEFAULT = "1"
 
 
 def use_fused_cpu(device: torch.device, dtype: torch.dtype, requested: bool = False) -> bool:
     """Whether a model on `device` in `dtype` gets the fused CPU element-wise ops (`minfer.model.fused_cpu`):
-    float32 on the CPU, the C++ builds here (built on the first call), and `MINFER_FUSED_CPU_OPS` is "1" (or,
-    for an explicit `requested`, not "0")."""
+    float32 on the CPU, the C++ builds here (built on the first call), and `MINFER_FUSED_CPU_OPS` is not "0"
+    (the default, `FUSED_CPU_OPS_DEFAULT`, is on)."""
     flag = os.environ.get("MINFER_FUSED_CPU_OPS", "1" if requested else FUSED_CPU_OPS_DEFAULT)
     if device.type != "cpu" or dtype != torch.float32 or flag == "0":
         return False
@@ -283,8 +283,8 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
         fused_ops: build RMSNorm, SiLU-and-mul and RoPE as fused kernels: "triton" (or True) the Triton ones
             (the Triton backend); "cpu" the C++ loops of `minfer.model.fused_cpu` where they apply (a float32
             model on the CPU whose kernels build, and `MINFER_FUSED_CPU_OPS` is not "0"), else plain torch;
-            "auto" (the default, the worker's too) the same when `MINFER_FUSED_CPU_OPS=1`, else plain torch
-            (`FUSED_CPU_OPS_DEFAULT` says why); False plain torch. One default for the engine and for any model
+            "auto" (the default, the worker's too) the same (on unless `MINFER_FUSED_CPU_OPS=0`,
+            `FUSED_CPU_OPS_DEFAULT`); False plain torch. One default for the engine and for any model
             loaded here, so both compute with the same ops (the loops are batch-invariant: a row's result does
             not depend on the batch, `csrc/fused_cpu.cpp`).
         linear_method: how every Linear stores and multiplies its weight; default
