@@ -160,3 +160,35 @@ def test_falls_back_where_it_does_not_apply(tmp_path, monkeypatch):
 def test_default_gguf_model_bit_identical():
     model = load_model(quantization="gguf").model
     assert _compare(model, [1, 504, 3459, 28, 253, 1345], steps=4) == 4
+
+
+@torch.inference_mode()
+def test_paged_pool_bit_identical(tmp_path):
+    """The engine's paged pool (CpuPagedBackend, one decoding sequence): a scattered block table, the new K/V
+    stored at its slot, attention over the blocks; the same bits as the per-op path, pool included."""
+    from minfer.attention.cpu import CpuPagedBackend
+
+    model = _tiny(tmp_path, "d16-gqa2", "q4_1")
+    lm, cfg = model.model, model.config
+    plan = dl.DecodeLayersCpu.build(lm)
+    nb, bs = 8, 4
+    g = torch.Generator().manual_seed(3)
+    pool = [torch.randn(2, nb, bs, cfg.num_key_value_heads, cfg.head_dim, generator=g)
+            for _ in range(cfg.num_hidden_layers)]
+    backends = [CpuPagedBackend([t.clone() for t in pool]) for _ in range(2)]
+    table = torch.tensor([[5, 2, 7, 0]], dtype=torch.int32)
+    counting = _Counting(plan)
+    for p in (0, 3, 6, 13):  # positions inside the 1st, 2nd and 4th blocks of the table
+        slot = int(table[0, p // bs]) * bs + p % bs
+        tok, pos = torch.tensor([11 + p]), torch.tensor([p])
+        outs = []
+        for b, fast in zip(backends, (counting, _NO_ONE_CALL)):
+            lm._decode_cpu = fast
+            ctx = ForwardContext(b, positions=pos, slot_mapping=torch.tensor([slot]), block_tables=table,
+                                 context_lens=torch.tensor([p + 1], dtype=torch.int32))
+            outs.append(model(tok, ctx))
+        assert torch.equal(outs[0], outs[1]), f"hidden state differs at position {p}"
+        for a, b in zip(backends[0].kv_caches, backends[1].kv_caches):
+            assert torch.equal(a, b), f"pools differ after position {p}"
+    lm._decode_cpu = None
+    assert counting.used == 4
