@@ -5,9 +5,9 @@ At batch 1 on the CPU the per-op path spends more time in Python than in arithme
 makes ~60 calls (module calls, output allocations, views, ctypes argument conversion) around its ten kernels.
 `DecodeLayersCpu.run` makes one: the C++ loop calls the same kernels (the integer GEMM, the fused RMSNorm /
 RoPE / SiLU-and-mul, the paged-decode attention) in the same order, through function pointers taken from the
-libraries the per-op path already loaded, with the same arguments, on preallocated scratch buffers. The
-results are the per-op path's bit for bit (tests/test_decode_layers_cpu.py checks hidden states and the K/V
-cache contents).
+libraries the per-op path already loaded, with the same arguments, on one scratch buffer allocated per step
+(one torch allocation for the 30 layers). The results are the per-op path's bit for bit
+(tests/test_decode_layers_cpu.py checks hidden states and the K/V cache contents).
 
 What it covers, decided once when the plan is built (`DecodeLayersCpu.build`, which returns None, and so the
 per-op path, for anything else):
@@ -149,8 +149,7 @@ class DecodeLayersCpu:
         step = _Step(hidden=self.hidden, heads=self.num_heads, kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                      inter=self.inter, eps=self.eps, scale=self.scale)
         self._step = step
-        self._scratch = torch.empty(self._lib.minfer_decode_layers_scratch_floats(ctypes.byref(step)),
-                                    dtype=torch.float32)
+        self._scratch_floats = self._lib.minfer_decode_layers_scratch_floats(ctypes.byref(step))
 
     def _current_weight_ptrs(self):
         ends = (self.layers[0], self.layers[-1])
@@ -243,7 +242,9 @@ class DecodeLayersCpu:
         cos, sin = cos_sin[0].contiguous(), cos_sin[1].contiguous()
         if cos.shape != (1, self.head_dim // 2) or self._current_weight_ptrs() != self._weight_ptrs:
             return None  # (partial rotary takes torch's RoPE in the per-op path; a moved model a new plan)
-        s = self._step
+        # A fresh step struct and scratch per call (a few microseconds), so two threads may share the model.
+        s = _Step.from_buffer_copy(self._step)
+        scratch = torch.empty(self._scratch_floats, dtype=torch.float32)
         s.cos, s.sin, s.slot = cos.data_ptr(), sin.data_ptr(), slot
         s.block_table, s.context_len = block_table.data_ptr(), lens.data_ptr()
         s.block_size, s.max_blocks = block_size, max_blocks
@@ -255,5 +256,5 @@ class DecodeLayersCpu:
         self._lib.minfer_decode_layers(ctypes.byref(self._fns), self._layer_table(backend), len(self.layers),
                                        ctypes.byref(s), x.data_ptr(),
                                        res_in.data_ptr() if res_in is not None else None, x_out.data_ptr(),
-                                       res_out.data_ptr(), self._scratch.data_ptr())
+                                       res_out.data_ptr(), scratch.data_ptr())
         return x_out, res_out
