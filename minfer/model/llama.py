@@ -122,7 +122,7 @@ class LlamaModel(nn.Module):
                                           cfg.max_position_embeddings, max_positions, fused=build.fused_ops)
         self.fused_ops = build.fused_ops
         # The one-call decode step of `minfer.model.decode_layers_cpu` (built on the first one-token forward, once
-        # the weights are packed; False where it does not cover this model).
+        # the weights are packed; `_NO_ONE_CALL` where it does not cover this model).
         self._decode_cpu = None
 
     def forward(self, input_ids: torch.Tensor | None, ctx: ForwardContext,
@@ -149,8 +149,8 @@ class LlamaModel(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-
     def _one_call_decode(self):
+        """The one-call decode plan (`DecodeLayersCpu`), or `_NO_ONE_CALL` where it does not cover this model."""
         if self._decode_cpu is None:
             from minfer.model.decode_layers_cpu import DecodeLayersCpu
 
