@@ -120,6 +120,10 @@ class LlamaModel(nn.Module):
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused=build.fused_ops)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                           cfg.max_position_embeddings, max_positions, fused=build.fused_ops)
+        self.fused_ops = build.fused_ops
+        # The one-call decode step of `minfer.model.decode_layers_cpu` (built on the first one-token forward, once
+        # the weights are packed; `_NO_ONE_CALL` where it does not cover this model).
+        self._decode_cpu = None
 
     def forward(self, input_ids: torch.Tensor | None, ctx: ForwardContext,
                 intermediate: torch.Tensor | None = None) -> torch.Tensor:
@@ -132,12 +136,37 @@ class LlamaModel(nn.Module):
             x, residual = intermediate[0], intermediate[1]
         # cos/sin of this forward's positions: gathered once here, not once per layer.
         cos_sin = self.rotary_emb.cos_sin_for(ctx.positions)
-        for layer in self.layers[self.start_layer:self.end_layer]:
-            x, residual = layer(x, residual, self.rotary_emb, cos_sin, ctx)
+        # A one-token step on the CPU: all layers in one C++ call where it covers the model and the step (the same
+        # kernels in the same order, bit for bit; chapter 9 §9.2.4), else the layers one by one.
+        out = self._one_call_decode().run(x, residual, cos_sin, ctx) if x.shape[0] == 1 and x.is_cpu else None
+        if out is not None:
+            x, residual = out
+        else:
+            for layer in self.layers[self.start_layer:self.end_layer]:
+                x, residual = layer(x, residual, self.rotary_emb, cos_sin, ctx)
         if not self.is_last:
             return torch.stack((x, residual))
         x, _ = self.norm(x, residual)
         return x
+
+    def _one_call_decode(self):
+        """The one-call decode plan (`DecodeLayersCpu`), or `_NO_ONE_CALL` where it does not cover this model."""
+        if self._decode_cpu is None:
+            from minfer.model.decode_layers_cpu import DecodeLayersCpu
+
+            self._decode_cpu = DecodeLayersCpu.build(self) or _NO_ONE_CALL
+        return self._decode_cpu
+
+
+class _NoOneCall:
+    """Stands for "no one-call decode for this model": its `run` always says to take the per-op path."""
+
+    @staticmethod
+    def run(*args):
+        return None
+
+
+_NO_ONE_CALL = _NoOneCall()
 
 
 class LlamaForCausalLM(nn.Module):

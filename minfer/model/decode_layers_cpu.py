@@ -1,0 +1,260 @@
+"""A one-token decode step of all the Llama layers in one C++ call (`csrc/decode_layers_cpu.cpp`; chapter 9
+§9.2.4, chapter 5 §5.4).
+
+At batch 1 on the CPU the per-op path spends more time in Python than in arithmetic: each of the 30 layers
+makes ~60 calls (module calls, output allocations, views, ctypes argument conversion) around its ten kernels.
+`DecodeLayersCpu.run` makes one: the C++ loop calls the same kernels (the integer GEMM, the fused RMSNorm /
+RoPE / SiLU-and-mul, the paged-decode attention) in the same order, through function pointers taken from the
+libraries the per-op path already loaded, with the same arguments, on one scratch buffer allocated per step
+(one torch allocation for the 30 layers). The results are the per-op path's bit for bit
+(tests/test_decode_layers_cpu.py checks hidden states and the K/V cache contents).
+
+What it covers, decided once when the plan is built (`DecodeLayersCpu.build`, which returns None, and so the
+per-op path, for anything else):
+- a Llama-family model on the CPU in float32 with the fused CPU ops on (`BuildOptions.fused_ops == "cpu"`;
+  `MINFER_FUSED_CPU_OPS=0` turns both off);
+- every projection of every layer on the integer GEMM with no bias (gguf Q4_0/Q4_1/Q8_0 blocks, gguf Q4_K
+  through int4, `int4`, `int8`; a float32 model does not qualify: its matmuls are torch's oneDNN calls);
+- no QK-norm, no sliding window, no ALiBi, one tensor-parallel rank and one pipeline stage.
+And per call (`run` returns None, and the model takes the per-op path): one token; the attention backend is the
+C++ one (`CpuContiguousBackend` of the simple path, or `CpuPagedBackend` at one decoding sequence and no
+prefill) over a float32 cache (a quantized KV cache is not covered); no forward hooks on the layers (a hook, e.g.
+an adapter, must see the per-op path); no autograd.
+`MINFER_DECODE_LAYERS_CPU=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import weakref
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "decode_layers_cpu.cpp"
+# It does no float arithmetic of its own (only calls and memcpy): plain optimization is enough.
+CFLAGS = ["-O2"]
+
+
+class DecodeLayersUnavailable(RuntimeError):
+    """The one-call decode library could not be built or loaded here (the message says why)."""
+
+
+class _QWeight(ctypes.Structure):
+    _fields_ = [("qs", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("bits", ctypes.c_int32),
+                ("offset", ctypes.c_int32), ("bf16", ctypes.c_int32), ("pad_", ctypes.c_int32),
+                ("gs", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _QWeight), ("o", _QWeight), ("gate_up", _QWeight), ("down", _QWeight),
+                ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
+                ("head_dim", ctypes.c_int64), ("inter", ctypes.c_int64), ("eps", ctypes.c_float),
+                ("scale", ctypes.c_float), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
+                ("slot", ctypes.c_int64), ("block_table", ctypes.c_void_p), ("context_len", ctypes.c_void_p),
+                ("block_size", ctypes.c_int64), ("max_blocks", ctypes.c_int64), ("isa", ctypes.c_int32),
+                ("nthreads", ctypes.c_int32)]
+
+
+class _Fns(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("qgemm", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary", "paged_decode")]
+
+
+@functools.cache
+def _library() -> tuple[ctypes.CDLL, _Fns]:
+    """Build and load the library, and the table of the kernels it calls (the per-op path's own functions).
+    Raises DecodeLayersUnavailable (disabled, or a library did not build)."""
+    from minfer.attention import cpu as attention_cpu
+    from minfer.attention.cpu import load_cpu_library
+    from minfer.model import fused_cpu
+    from minfer.quantization import qgemm
+
+    try:
+        att, fused, gemm = attention_cpu._library(), fused_cpu._library(), qgemm._library()
+    except RuntimeError as e:  # CpuKernelUnavailable, FusedCpuUnavailable, QGemmUnavailable
+        raise DecodeLayersUnavailable(f"a kernel library is unavailable: {e}") from e
+    lib = load_cpu_library(SOURCE, "minfer_decode_layers_cpu", CFLAGS, DecodeLayersUnavailable)
+    ptr = ctypes.c_void_p
+    lib.minfer_decode_layers.argtypes = [ptr, ptr, ctypes.c_int64, ptr, ptr, ptr, ptr, ptr, ptr]
+    lib.minfer_decode_layers.restype = None
+    lib.minfer_decode_layers_scratch_floats.argtypes = [ptr]
+    lib.minfer_decode_layers_scratch_floats.restype = ctypes.c_int64
+
+    def fn(f):
+        return ctypes.cast(f, ctypes.c_void_p).value
+
+    fns = _Fns(fn(gemm.minfer_qgemm), fn(fused.minfer_rms_norm_f32), fn(fused.minfer_fused_add_rms_norm_f32),
+               fn(fused.minfer_silu_and_mul_f32), fn(fused.minfer_rotary_f32), fn(att.minfer_paged_decode_f32))
+    return lib, fns
+
+
+def _packed_weight(linear):
+    """The integer GEMM's `PackedWeight` of a `Linear` whose forward is exactly one `qgemm_unchecked` call (and
+    nothing after it: no bias), else None."""
+    from minfer.quantization.base import QuantizedLinearMethod, packed
+    from minfer.quantization.gguf import GGUFLinearMethod
+
+    if getattr(linear, "bias", None) is not None or not getattr(linear, "quantized", False):
+        return None
+    method = linear.method
+    if type(method).apply is GGUFLinearMethod.apply:
+        route = getattr(linear, "gguf_route", None)
+        if route == "int4":  # Q4_K: the int4 method's route
+            method = method.int4
+        elif route != "blocks":
+            return None
+    if type(method).apply not in (QuantizedLinearMethod.apply, GGUFLinearMethod.apply):
+        return None
+    if getattr(linear, "qg_format", None) is None:
+        return None
+    return packed(linear)
+
+
+def _qweight(w) -> _QWeight:
+    from minfer.quantization.qgemm import BLOCK
+
+    # The arguments `qgemm_unchecked` passes for this weight.
+    return _QWeight(w.qs.data_ptr(), w.d.data_ptr(), w.m.data_ptr() if w.m is not None else None, w.bits,
+                    128 if w.bits == 8 else w.offset, int(w.bf16), 0, w.group // BLOCK, w.n, w.k)
+
+
+class DecodeLayersCpu:
+    """The one-call decode step of a `LlamaModel`'s layers. Build with `DecodeLayersCpu.build(model)`."""
+
+    def __init__(self, model, layers, weights):
+        self._lib, self._fns = _library()
+        cfg = layers[0].self_attn
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.scale = cfg.attn.scale
+        self.hidden = layers[0].input_layernorm.weight.shape[0]
+        self.inter = weights[0][2].n // 2
+        self.eps = layers[0].input_layernorm.eps
+        self.layers = layers
+        self.weights = weights  # keeps the PackedWeight views alive with the model
+        self._static = [(_qweight(q), _qweight(o), _qweight(gu), _qweight(dn),
+                         layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr())
+                        for layer, (q, o, gu, dn) in zip(layers, weights)]
+        self._hooked = [m for layer in layers for m in layer.modules()]
+        # Pointers into the weights are baked into the table: a moved or repacked model must not be run with it.
+        self._weight_ptrs = self._current_weight_ptrs()
+        self._bound = None  # (weakref to the attention backend, its ctypes layer table)
+        step = _Step(hidden=self.hidden, heads=self.num_heads, kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                     inter=self.inter, eps=self.eps, scale=self.scale)
+        self._step = step
+        self._scratch_floats = self._lib.minfer_decode_layers_scratch_floats(ctypes.byref(step))
+
+    def _current_weight_ptrs(self):
+        ends = (self.layers[0], self.layers[-1])
+        return tuple(p for layer in ends for p in (layer.self_attn.qkv_proj.qg_qs.data_ptr(),
+                                                    layer.mlp.down_proj.qg_qs.data_ptr(),
+                                                    layer.input_layernorm.weight.data_ptr()))
+
+    @classmethod
+    def build(cls, model) -> "DecodeLayersCpu | None":
+        """The plan for `model` (a `LlamaModel` whose weights are loaded and packed), or None where the one call
+        does not cover it (the module docstring lists what it covers) or its library does not build here."""
+        from minfer.model.positions import RotaryEmbedding
+        from minfer.parallel.parallel_state import get_parallel_state
+
+        if os.environ.get("MINFER_DECODE_LAYERS_CPU", "1") == "0" or getattr(model, "fused_ops", None) != "cpu":
+            return None
+        st = get_parallel_state()
+        if st.tp_size != 1 or st.pp_size != 1:
+            return None
+        layers = list(model.layers[model.start_layer:model.end_layer])
+        rot = model.rotary_emb
+        if not layers or not isinstance(rot, RotaryEmbedding) or not rot.fused:
+            return None
+        from minfer.attention.cpu import MAX_HEADS
+
+        if layers[0].self_attn.num_heads > MAX_HEADS or rot.head_dim % 2:
+            return None
+        weights = []
+        for layer in layers:
+            att, mlp = layer.self_attn, layer.mlp
+            if (att.qk_norm or att.attn.sliding_window is not None or att.attn.alibi_slopes is not None
+                    or not layer.input_layernorm.fused or not layer.post_attention_layernorm.fused):
+                return None
+            ws = [_packed_weight(m) for m in (att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            if any(w is None for w in ws):
+                return None
+            weights.append(ws)
+        norms = [t for layer in layers for t in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
+        if any(t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() for t in norms):
+            return None
+        first = layers[0]
+        if first.input_layernorm.eps != first.post_attention_layernorm.eps or any(
+                layer.input_layernorm.eps != first.input_layernorm.eps
+                or layer.post_attention_layernorm.eps != first.input_layernorm.eps for layer in layers):
+            return None
+        try:
+            return cls(model, layers, weights)
+        except DecodeLayersUnavailable:
+            return None
+
+    def _layer_table(self, backend):
+        """The ctypes table of the layers for this backend's K/V tensors (built once per backend)."""
+        if self._bound is not None and self._bound[0]() is backend:
+            return self._bound[1]
+        table = (_Layer * len(self.layers))()
+        for i, (layer, st) in enumerate(zip(self.layers, self._static)):
+            kv = backend.kv_caches[layer.self_attn.attn.layer_idx]
+            table[i] = _Layer(*st[:4], st[4], st[5], kv[0].data_ptr(), kv[1].data_ptr())
+        self._bound = (weakref.ref(backend), table)
+        return table
+
+    def run(self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin, ctx):
+        """All layers for one token: x float32 `[1, hidden]` (the embedding, with `residual` None, or the hidden
+        state with its residual `[1, hidden]`) -> (hidden, residual) `[1, hidden]` each, as the layer loop of
+        `LlamaModel.forward` returns them, bit for bit; K/V stored in the backend's cache. None where this call
+        does not cover the step (the module docstring): the caller then runs the per-op path."""
+        from minfer.attention.cpu import CpuContiguousBackend, CpuDecodeTables, CpuPagedBackend
+
+        backend = ctx.attn_backend
+        if x.dtype != torch.float32 or not x.is_cpu or backend.kv_scales is not None or torch.is_grad_enabled():
+            return None
+        if type(backend) is CpuContiguousBackend:
+            lens = ctx.attn_metadata
+            if lens is None:
+                return None
+            block_table, block_size, max_blocks, slot = backend._block_table, backend.max_len, 1, ctx.start_pos
+        elif type(backend) is CpuPagedBackend:
+            plan = ctx.attn_metadata.decode if ctx.num_prefills == 0 else None
+            if not isinstance(plan, CpuDecodeTables) or plan.block_tables.shape[0] != 1:
+                return None
+            lens, block_table = plan.context_lens, plan.block_tables
+            block_size, max_blocks, slot = backend.block_size, block_table.shape[1], int(ctx.slot_mapping[0])
+        else:
+            return None
+        if backend.kv_caches[0].dtype != torch.float32 or any(
+                m._forward_hooks or m._forward_pre_hooks for m in self._hooked):
+            return None
+        from minfer.quantization.qgemm import _isa_from_env
+
+        cos, sin = cos_sin[0].contiguous(), cos_sin[1].contiguous()
+        if cos.shape != (1, self.head_dim // 2) or self._current_weight_ptrs() != self._weight_ptrs:
+            return None  # (partial rotary takes torch's RoPE in the per-op path; a moved model a new plan)
+        # A fresh step struct and scratch per call (a few microseconds), so two threads may share the model.
+        s = _Step.from_buffer_copy(self._step)
+        scratch = torch.empty(self._scratch_floats, dtype=torch.float32)
+        s.cos, s.sin, s.slot = cos.data_ptr(), sin.data_ptr(), slot
+        s.block_table, s.context_len = block_table.data_ptr(), lens.data_ptr()
+        s.block_size, s.max_blocks = block_size, max_blocks
+        s.isa, s.nthreads = _isa_from_env(), torch.get_num_threads()
+        x = x.contiguous()
+        res_in = residual.contiguous() if residual is not None else None
+        x_out = torch.empty(1, self.hidden, dtype=torch.float32)
+        res_out = torch.empty(1, self.hidden, dtype=torch.float32)
+        self._lib.minfer_decode_layers(ctypes.byref(self._fns), self._layer_table(backend), len(self.layers),
+                                       ctypes.byref(s), x.data_ptr(),
+                                       res_in.data_ptr() if res_in is not None else None, x_out.data_ptr(),
+                                       res_out.data_ptr(), scratch.data_ptr())
+        return x_out, res_out
