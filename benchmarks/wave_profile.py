@@ -30,7 +30,9 @@ import time
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="/tmp/smollm2-hf")
+    ap.add_argument("--model", default="/tmp/smollm2-hf",
+                    help="a model minfer loads (default: peer_vllm_serve.py's HF export of the default GGUF, "
+                         "written there first when missing, so that both scripts run the same weights)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--num-prompts", type=int, default=48)
     ap.add_argument("--concurrency", type=int, default=16)
@@ -44,6 +46,14 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.model == "/tmp/smollm2-hf" and not os.path.isdir(args.model):
+        from pathlib import Path
+
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from peer_vllm_serve import export_hf_dir
+
+        print(f"exporting the default GGUF to {args.model} (float32 HF directory) ...", file=sys.stderr)
+        export_hf_dir(Path(args.model))
 
     import torch
 
