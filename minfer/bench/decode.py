@@ -219,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  llama.cpp     {lc['tok_s']:7.1f} tok/s  (same GGUF, {r['threads']} threads; "
               f"{lc['greedy_tokens_agreeing_of_16']}/16 first greedy tokens agree)")
         print(f"  ratio minfer gguf / llama.cpp = {r['gguf_vs_llama_cpp']:.2f}x   (target >= 1.0x); weight bytes "
-              f"{g['weight_bytes'] / g['gguf_file_bytes']:.2f}x the file's (target <= 1.1x); kernel {g['kernel_isa']}")
+              f"{g['weight_bytes'] / g['gguf_file_bytes']:.2f}x the file's (target <= 1.1x); kernel {g['kernel_isa']}; "
+              f"{'one C++ call a step' if g.get('one_call_decode') else 'per-op decode'}")
     elif lc:
         print(f"  llama.cpp: {lc['skipped']}")
     print(f"  load average {r['load_average_1min_before_after'][0]:.1f} -> "
