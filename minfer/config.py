@@ -337,8 +337,8 @@ class EngineArgs:
             raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of CPU memory for swapped KV)")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise bad("attention_backend", "one of " + ", ".join(map(repr, ATTENTION_BACKENDS)))
-        if self.attention_backend == "cpu" and self.dtype in ("bfloat16", "float16"):
-            raise ValueError(f"attention_backend='cpu' runs float32 only; got dtype={self.dtype!r} "
+        if self.attention_backend == "cpu" and self.dtype == "float16":
+            raise ValueError(f"attention_backend='cpu' runs float32 or bfloat16 models; got dtype={self.dtype!r} "
                              "(use attention_backend='auto' or 'torch' for it)")
         if self.data_parallel_size < 1:
             raise bad("data_parallel_size", "an integer >= 1 (replicas of the whole model)")
@@ -360,8 +360,8 @@ class EngineArgs:
                              "yet; with tensor or pipeline parallelism use int8 or int4 (or no quantization)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise bad("kv_cache_dtype", "one of " + ", ".join(map(repr, KV_CACHE_DTYPES)))
-        if (self.attention_backend == "cpu" and self.kv_cache_dtype in ("bfloat16", "float16")):
-            raise ValueError(f"attention_backend='cpu' reads a float32, int8 or fp8 KV pool; got kv_cache_dtype="
+        if (self.attention_backend == "cpu" and self.kv_cache_dtype == "float16"):
+            raise ValueError(f"attention_backend='cpu' reads a float32, bfloat16, int8 or fp8 KV pool; got kv_cache_dtype="
                              f"{self.kv_cache_dtype!r} (use attention_backend='auto' or 'torch' for it)")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)

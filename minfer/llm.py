@@ -152,7 +152,8 @@ class LLM:
         if self._simple is None:
             worker = engine.worker
             self._simple = SimpleGenerator(worker.model, Sampler(worker.generator), OutputProcessor(self.tokenizer),
-                                           kv_cache_dtype=engine.args.kv_cache_dtype)
+                                           kv_cache_dtype=engine.args.kv_cache_dtype,
+                                           attention_backend=engine.args.attention_backend)
         outs, timings = [], []
         for i in range(params.n):
             seq = Sequence("simple", i, ids, params, engine.max_model_len)

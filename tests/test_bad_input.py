@@ -50,8 +50,8 @@ def test_boolean_fields_take_real_booleans_only():
     (dict(max_num_seqs=1.5), "max_num_seqs"), (dict(gpu_memory_utilization="0.5"), "gpu_memory_utilization"),
     (dict(max_model_len=0), "max_model_len"), (dict(tensor_parallel_size=0), "tensor_parallel_size"),
     (dict(kv_cache_dtype="fp4"), "kv_cache_dtype"),
-    (dict(kv_cache_dtype="bfloat16", attention_backend="cpu"), "cpu"), (dict(quantization="bitsandbytes"), "not built"),
-    (dict(attention_backend="flash"), "attention_backend"), (dict(attention_backend="cpu", dtype="bfloat16"), "float32"),
+    (dict(kv_cache_dtype="float16", attention_backend="cpu"), "cpu"), (dict(quantization="bitsandbytes"), "not built"),
+    (dict(attention_backend="flash"), "attention_backend"), (dict(attention_backend="cpu", dtype="float16"), "float32 or bfloat16"),
 ])
 def test_engine_args_checked_before_loading(kwargs, field):
     with pytest.raises(ValueError, match=field):

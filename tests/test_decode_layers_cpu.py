@@ -149,6 +149,10 @@ def test_falls_back_where_it_does_not_apply(tmp_path, monkeypatch):
         h = model.model.layers[1].mlp.register_forward_hook(lambda *a: None)
         assert plan.run(x, None, cos_sin, ForwardContext(c, positions=pos, start_pos=0)) is None
         h.remove()
+        # so must a global module hook (torch.nn.modules.module.register_module_forward_hook)
+        h = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
+        assert plan.run(x, None, cos_sin, ForwardContext(c, positions=pos, start_pos=0)) is None
+        h.remove()
         assert plan.run(x, None, cos_sin, ForwardContext(c, positions=pos, start_pos=0)) is not None
     # a sliding window is not covered
     make_hf_model(tmp_path / "w", "MistralConfig", dict(SHAPES["d16-gqa2"], sliding_window=8))

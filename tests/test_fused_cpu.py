@@ -179,3 +179,11 @@ def test_loader_keeps_plain_torch_where_the_cpu_ops_do_not_apply(tmp_path, monke
     assert not load_model(str(tmp_path), dtype="float32", device="cpu").model.model.layers[0].input_layernorm.fused
     monkeypatch.setenv("MINFER_FUSED_CPU_OPS", "1")  # the one switch: "auto" (the worker's default) follows it
     assert load_model(str(tmp_path), dtype="float32", device="cpu").model.model.layers[0].input_layernorm.fused
+
+
+def test_zero_dim_input_is_a_clear_error():
+    x = torch.tensor(1.0)
+    with pytest.raises(ValueError, match="0-d"):
+        fc.rms_norm(x, torch.ones(1))
+    with pytest.raises(ValueError, match="0-d"):
+        fc.silu_and_mul(x)

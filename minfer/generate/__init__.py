@@ -50,9 +50,11 @@ class SimpleGenerator:
     """
 
     def __init__(self, model: torch.nn.Module, sampler: Sampler | None = None,
-                 output_processor: OutputProcessor | None = None, kv_cache_dtype: str = "auto"):
+                 output_processor: OutputProcessor | None = None, kv_cache_dtype: str = "auto",
+                 attention_backend: str = "auto"):
         self.model = model
         self.kv_cache_dtype = kv_cache_dtype
+        self.attention_backend = attention_backend
         self.cfg = model.config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -63,10 +65,12 @@ class SimpleGenerator:
         """A contiguous cache of `max_len` tokens. A float32 or bfloat16 model on the CPU gets
         `CpuContiguousBackend`: its decode steps attend with the C++ kernel the engine decodes with (same ops on
         both sides of the engine-vs-simple-path tests, and one kernel call per layer); elsewhere, or where the
-        kernel does not build (`MINFER_CPU_KERNELS=0`), the torch reference."""
+        kernel does not build (`MINFER_CPU_KERNELS=0`), or with `attention_backend="torch"` (the engine's choice,
+        followed here so that both sides attend alike), the torch reference."""
         args = (self.cfg.num_hidden_layers, max_len, self.cfg.num_key_value_heads, self.cfg.head_dim, self.dtype,
                 self.device, self.kv_cache_dtype)
-        if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
+        if (self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
+                and self.attention_backend != "torch"):
             from minfer.attention.cpu import CpuContiguousBackend, CpuKernelUnavailable
 
             try:

@@ -126,6 +126,14 @@ def _qweight(w) -> _QWeight:
                     128 if w.bits == 8 else w.offset, int(w.bf16), 0, w.group // BLOCK, w.n, w.k)
 
 
+def _global_hooks() -> bool:
+    """True while a global module hook is registered (`torch.nn.modules.module.register_module_forward_hook`
+    and its pre-hook twin): it must see every layer's call, so the step takes the per-op path."""
+    from torch.nn.modules import module
+
+    return bool(module._global_forward_hooks or module._global_forward_pre_hooks)
+
+
 class DecodeLayersCpu:
     """The one-call decode step of a `LlamaModel`'s layers. Build with `DecodeLayersCpu.build(model)`."""
 
@@ -144,6 +152,8 @@ class DecodeLayersCpu:
                         for layer, (q, o, gu, dn) in zip(layers, weights)]
         self._hooked = [m for layer in layers for m in layer.modules()]
         # Pointers into the weights are baked into the table: a moved or repacked model must not be run with it.
+        # Checked per call on the first and last layers only (what `.to()` or a reload changes); replacing one
+        # middle layer's packed buffers by hand is not detected: rebuild the model (load it again) instead.
         self._weight_ptrs = self._current_weight_ptrs()
         self._bound = None  # (weakref to the attention backend, its ctypes layer table)
         step = _Step(hidden=self.hidden, heads=self.num_heads, kv_heads=self.num_kv_heads, head_dim=self.head_dim,
@@ -202,8 +212,9 @@ class DecodeLayersCpu:
 
     def _layer_table(self, backend):
         """The ctypes table of the layers for this backend's K/V tensors (built once per backend)."""
-        if self._bound is not None and self._bound[0]() is backend:
-            return self._bound[1]
+        bound = self._bound  # read once: another thread may rebind it between two reads (two threads may share a model)
+        if bound is not None and bound[0]() is backend:
+            return bound[1]
         table = (_Layer * len(self.layers))()
         for i, (layer, st) in enumerate(zip(self.layers, self._static)):
             kv = backend.kv_caches[layer.self_attn.attn.layer_idx]
@@ -234,14 +245,14 @@ class DecodeLayersCpu:
             block_size, max_blocks, slot = backend.block_size, block_table.shape[1], int(ctx.slot_mapping[0])
         else:
             return None
-        if backend.kv_caches[0].dtype != torch.float32 or any(
+        if backend.kv_caches[0].dtype != torch.float32 or _global_hooks() or any(
                 m._forward_hooks or m._forward_pre_hooks for m in self._hooked):
             return None
         from minfer.quantization.qgemm import _isa_from_env
 
         cos, sin = cos_sin[0].contiguous(), cos_sin[1].contiguous()
         if cos.shape != (1, self.head_dim // 2) or self._current_weight_ptrs() != self._weight_ptrs:
-            return None  # (partial rotary takes torch's RoPE in the per-op path; a moved model a new plan)
+            return None  # (partial rotary takes torch's RoPE in the per-op path; so does a moved model, for good)
         # A fresh step struct and scratch per call (a few microseconds), so two threads may share the model.
         s = _Step.from_buffer_copy(self._step)
         scratch = torch.empty(self._scratch_floats, dtype=torch.float32)

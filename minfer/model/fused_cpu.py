@@ -70,6 +70,8 @@ def _check(name: str, t: torch.Tensor) -> None:
     # `is_cpu` and a dtype comparison: cheap (`t.device.type` builds a device object per call).
     if t.dtype != torch.float32 or not t.is_cpu:
         raise ValueError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+    if not t.dim():
+        raise ValueError(f"{name} must have a last (hidden) dim, got a 0-d tensor")
 
 
 def _rows(name: str, x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -134,7 +136,8 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU's gate (Shazeer, 2020): x float32 `[..., 2I]` = gate|up -> silu(gate) * up `[..., I]`.
-    Raises ValueError on an odd last dim, another dtype or device."""
+    Raises ValueError on an odd last dim, a 0-d x, another dtype or device."""
+    _check("x", x)
     if x.shape[-1] % 2:
         raise ValueError(f"last dim must be even (gate and up halves), got {x.shape[-1]}")
     x2, rows, stride = _rows("x", x)
