@@ -169,7 +169,7 @@ def paged_attention_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if q.dtype != torch.float32 or q.device.type != "cpu" or not q.is_contiguous():
         raise ValueError(f"q must be a contiguous float32 CPU tensor, got {q.dtype} on {q.device}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype not in _POOLS or t.dtype != k_cache.dtype or t.device.type != "cpu" \
+        if t.dtype not in KERNEL_POOL_DTYPES or t.dtype != k_cache.dtype or t.device.type != "cpu" \
                 or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous CPU tensor, float32, bfloat16 or 8-bit codes "
                              f"({', '.join(map(str, QUANTIZED_CODES))}) like k_cache, got {t.dtype} on {t.device}")
@@ -236,11 +236,11 @@ def _decode_unchecked(lib, out, q, k_cache, v_cache, block_tables, context_lens,
 
 
 QUANTIZED_CODES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
-_POOLS = (torch.float32, torch.bfloat16, *QUANTIZED_CODES)  # what the kernel reads
+KERNEL_POOL_DTYPES = (torch.float32, torch.bfloat16, *QUANTIZED_CODES)  # the pools the kernel reads
 # Model dtypes whose decode the kernel does: float32, and bfloat16, whose query is widened to float32 (exact)
 # and whose output is rounded back, so one decode step is one kernel call per layer instead of SDPA in
 # bfloat16 over gathered K/V (measured: about 0.9 ms per call, most of a bfloat16 decode step's attention).
-MODEL_DTYPES = (torch.float32, torch.bfloat16)
+KERNEL_MODEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @functools.cache
@@ -271,7 +271,7 @@ class CpuPagedBackend(PagedTorchBackend):
     def __init__(self, kv_caches: list[torch.Tensor], kv_scales: list[torch.Tensor] | None = None,
                  spec: KVCacheSpec | None = None):
         self._lib = _library()
-        if any(c.dtype not in _POOLS or c.device.type != "cpu" for c in kv_caches):
+        if any(c.dtype not in KERNEL_POOL_DTYPES or c.device.type != "cpu" for c in kv_caches):
             raise CpuKernelUnavailable(f"the CPU kernel reads a float32, bfloat16, int8 or fp8 KV pool on the CPU; got "
                                        f"{kv_caches[0].dtype} on {kv_caches[0].device}")
         if not all(c.is_contiguous() for c in kv_caches + list(kv_scales or [])):
@@ -289,7 +289,7 @@ class CpuPagedBackend(PagedTorchBackend):
 
     def _decode(self, layer: Attention, kv, q, ctx: ForwardContext) -> torch.Tensor:
         plan = ctx.attn_metadata.decode
-        if q.dtype not in MODEL_DTYPES:
+        if q.dtype not in KERNEL_MODEL_DTYPES:
             raise ValueError(f"attention_backend='cpu' runs float32 or bfloat16 models; this one runs in {q.dtype}")
         if q.shape[1] > MAX_HEADS:
             raise ValueError(f"{q.shape[1]} query heads: the CPU kernel holds at most {MAX_HEADS}")
@@ -329,7 +329,7 @@ class CpuContiguousBackend(ContiguousBackend):
     def __init__(self, num_layers: int, max_len: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", kv_cache_dtype: str = "auto"):
         self._lib = _library()
-        if dtype not in MODEL_DTYPES or torch.device(device).type != "cpu":
+        if dtype not in KERNEL_MODEL_DTYPES or torch.device(device).type != "cpu":
             raise CpuKernelUnavailable(f"the CPU decode kernel runs float32 or bfloat16 models on the CPU, not {dtype} "
                                        f"on {device}")
         super().__init__(num_layers, max_len, num_kv_heads, head_dim, dtype, device, kv_cache_dtype)
@@ -347,7 +347,8 @@ class CpuContiguousBackend(ContiguousBackend):
     def attend(self, layer: Attention, q, k, v, ctx: ForwardContext) -> torch.Tensor:
         lens = ctx.attn_metadata
         kv = self.kv_caches[layer.layer_idx]
-        if lens is None or q.dtype not in MODEL_DTYPES or kv.dtype not in _POOLS or layer.num_heads > MAX_HEADS:
+        if (lens is None or q.dtype not in KERNEL_MODEL_DTYPES or kv.dtype not in KERNEL_POOL_DTYPES
+                or layer.num_heads > MAX_HEADS):
             return super().attend(layer, q, k, v, ctx)
         sc = self.kv_scales[layer.layer_idx] if self.kv_scales is not None else None
         slopes = layer.alibi_slopes

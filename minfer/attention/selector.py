@@ -18,13 +18,10 @@ import logging
 import torch
 
 from minfer.attention.base import AttentionBackend
+from minfer.attention.cpu import KERNEL_MODEL_DTYPES, KERNEL_POOL_DTYPES  # the C++ kernel's dtypes
 from minfer.config import ATTENTION_BACKENDS
 
 logger = logging.getLogger(__name__)
-
-
-_CPU_KERNEL_POOLS = (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
-_CPU_KERNEL_MODELS = (torch.float32, torch.bfloat16)  # the kernel computes in float32; bfloat16 is widened
 
 
 def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype,
@@ -39,7 +36,7 @@ def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype,
         raise ValueError(f"attention_backend must be one of {', '.join(map(repr, ATTENTION_BACKENDS))}, got {name!r}")
     if name == "auto":
         kv_dtype = dtype if kv_dtype is None else kv_dtype
-        kernel = device.type == "cpu" and dtype in _CPU_KERNEL_MODELS and kv_dtype in _CPU_KERNEL_POOLS
+        kernel = device.type == "cpu" and dtype in KERNEL_MODEL_DTYPES and kv_dtype in KERNEL_POOL_DTYPES
         return "cpu" if kernel else "torch"
     return name
 
@@ -70,7 +67,7 @@ def get_attn_backend(name: str, kv_caches: list[torch.Tensor], kv_scales: list[t
         from minfer.attention.cpu import CpuKernelUnavailable, CpuPagedBackend
 
         try:
-            if model_dtype not in (None, *_CPU_KERNEL_MODELS):
+            if model_dtype not in (None, *KERNEL_MODEL_DTYPES):
                 raise CpuKernelUnavailable(f"it runs float32 or bfloat16 models; this one runs in {model_dtype}")
             return CpuPagedBackend(kv_caches, kv_scales, spec)
         except CpuKernelUnavailable as e:
