@@ -60,8 +60,8 @@ def _cpu_identity() -> str:
 
 def load_cpu_library(source: Path, name: str, cflags: list[str], unavailable: type[Exception]) -> ctypes.CDLL:
     """Build `source` (a C++ file of plain `extern "C"` functions) with `cflags` and load it: once per
-    checkout, source version and kind of CPU (`-march=native` code is built where it runs), cached under
-    ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR) as `name_<key>`.
+    checkout, source version (the file and the `*.h` headers beside it) and kind of CPU (`-march=native` code
+    is built where it runs), cached under ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR) as `name_<key>`.
 
     Raises:
         `unavailable`: disabled by MINFER_CPU_KERNELS=0, or the build or load failed (the message says why).
@@ -73,7 +73,9 @@ def load_cpu_library(source: Path, name: str, cflags: list[str], unavailable: ty
 
         # One build directory per checkout and source version, so that two checkouts (or an old and a new
         # version) used in turn do not keep rebuilding each other's library.
-        key = hashlib.sha1(f"{source}\n{cflags}\n{_cpu_identity()}\n".encode() + source.read_bytes()).hexdigest()[:12]
+        # The headers beside the source (shared helpers, `#include "x.h"`) are part of its version.
+        text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+        key = hashlib.sha1(f"{source}\n{cflags}\n{_cpu_identity()}\n".encode() + text).hexdigest()[:12]
         path = load(name=f"{name}_{key}", sources=[str(source)], extra_cflags=cflags,
                     extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         return ctypes.CDLL(path)

@@ -42,6 +42,8 @@
 #define MINFER_X86 1
 #endif
 
+#include "half.h"  // half_to_float
+
 namespace {
 
 constexpr int64_t kBlock = 32;
@@ -49,27 +51,6 @@ constexpr int kRows = 8;  // activation rows per pass over a weight row (registe
 
 enum WeightType { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
 
-// IEEE half -> float, portable (the scalar path; the SIMD paths use F16C).
-inline float half_to_float(uint16_t h) {
-  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-  uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-  if (exp == 0) {
-    if (man == 0) {
-      bits = sign;
-    } else {  // subnormal: normalize
-      exp = 127 - 15 + 1;
-      while (!(man & 0x400)) { man <<= 1; --exp; }
-      bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
-    }
-  } else if (exp == 31) {
-    bits = sign | 0x7f800000 | (man << 13);
-  } else {
-    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
 
 // The activations, quantized: qx int8 [T, K], dx float [T, K/32], sx int32 [T, K/32].
 struct QuantizedRows {

@@ -58,32 +58,13 @@
 #define MINFER_X86 1
 #endif
 
+#include "half.h"  // half_to_float
+
 namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int kMR = 4;        // activation rows per register tile
 constexpr int64_t kChunk = 64;  // activation rows per work item (multiple of kMR)
-
-inline float half_to_float(uint16_t h) {
-  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-  uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-  if (exp == 0) {
-    if (man == 0) {
-      bits = sign;
-    } else {  // subnormal: normalize
-      exp = 127 - 15 + 1;
-      while (!(man & 0x400)) { man <<= 1; --exp; }
-      bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
-    }
-  } else if (exp == 31) {
-    bits = sign | 0x7f800000 | (man << 13);
-  } else {
-    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
 
 inline float bf16_to_float(uint16_t h) {
   const uint32_t bits = (uint32_t)h << 16;
