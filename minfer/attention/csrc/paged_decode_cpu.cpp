@@ -188,42 +188,14 @@ static void paged_decode(
   }
 }
 
-extern "C" void minfer_paged_decode_f32(
-    float* out, const float* q, const float* k_cache, const float* v_cache,
-    const int32_t* block_tables, const int32_t* context_lens,
-    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t block_size, int64_t max_blocks, float scale, int64_t window, const float* alibi_slopes,
-    int num_threads) {
-  auto kernel = head_dim == 64    ? paged_decode<64, Float>
-                : head_dim == 128 ? paged_decode<128, Float>
-                                  : paged_decode<0, Float>;
-  kernel(out, q, k_cache, v_cache, nullptr, nullptr, nullptr, block_tables, context_lens, num_seqs, num_heads,
-         num_kv_heads, head_dim, block_size, max_blocks, scale, window, alibi_slopes, num_threads);
-}
-
-// The bfloat16 pool: k_cache/v_cache bfloat16 bits [num_blocks, block_size, KVH, D]; q and out stay float32.
-extern "C" void minfer_paged_decode_bf16(
-    float* out, const float* q, const void* k_cache, const void* v_cache,
-    const int32_t* block_tables, const int32_t* context_lens,
-    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t block_size, int64_t max_blocks, float scale, int64_t window, const float* alibi_slopes,
-    int num_threads) {
-  auto kernel = head_dim == 64    ? paged_decode<64, BF16>
-                : head_dim == 128 ? paged_decode<128, BF16>
-                                  : paged_decode<0, BF16>;
-  kernel(out, q, (const uint16_t*)k_cache, (const uint16_t*)v_cache, nullptr, nullptr, nullptr, block_tables,
-         context_lens, num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale, window,
-         alibi_slopes, num_threads);
-}
-
-// The quantized pool: k_cache/v_cache hold one byte per element (int8 codes, or fp8 bytes decoded by `lut`,
-// float32 [256]; lut == null means int8), k_scales/v_scales float32 [num_blocks, block_size, KVH].
+// The element type picks the pool reader (Float, BF16, Int8, Table), the head size the specialization; the
+// scales and lut are null for an unquantized pool.
 template <typename Elem>
-static void dispatch_q8(float* out, const float* q, const void* k_cache, const void* v_cache, const float* k_scales,
-                        const float* v_scales, const float* lut, const int32_t* block_tables,
-                        const int32_t* context_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                        int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, int64_t window,
-                        const float* alibi_slopes, int num_threads) {
+static void dispatch(float* out, const float* q, const void* k_cache, const void* v_cache, const float* k_scales,
+                     const float* v_scales, const float* lut, const int32_t* block_tables,
+                     const int32_t* context_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                     int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, int64_t window,
+                     const float* alibi_slopes, int num_threads) {
   using T = typename Elem::T;
   auto kernel = head_dim == 64    ? paged_decode<64, Elem>
                 : head_dim == 128 ? paged_decode<128, Elem>
@@ -233,13 +205,36 @@ static void dispatch_q8(float* out, const float* q, const void* k_cache, const v
          num_threads);
 }
 
+extern "C" void minfer_paged_decode_f32(
+    float* out, const float* q, const float* k_cache, const float* v_cache,
+    const int32_t* block_tables, const int32_t* context_lens,
+    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t block_size, int64_t max_blocks, float scale, int64_t window, const float* alibi_slopes,
+    int num_threads) {
+  dispatch<Float>(out, q, k_cache, v_cache, nullptr, nullptr, nullptr, block_tables, context_lens, num_seqs,
+                  num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale, window, alibi_slopes, num_threads);
+}
+
+// The bfloat16 pool: k_cache/v_cache bfloat16 bits [num_blocks, block_size, KVH, D]; q and out stay float32.
+extern "C" void minfer_paged_decode_bf16(
+    float* out, const float* q, const void* k_cache, const void* v_cache,
+    const int32_t* block_tables, const int32_t* context_lens,
+    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t block_size, int64_t max_blocks, float scale, int64_t window, const float* alibi_slopes,
+    int num_threads) {
+  dispatch<BF16>(out, q, k_cache, v_cache, nullptr, nullptr, nullptr, block_tables, context_lens, num_seqs,
+                 num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale, window, alibi_slopes, num_threads);
+}
+
+// The quantized pool: k_cache/v_cache hold one byte per element (int8 codes, or fp8 bytes decoded by `lut`,
+// float32 [256]; lut == null means int8), k_scales/v_scales float32 [num_blocks, block_size, KVH].
 extern "C" void minfer_paged_decode_q8(
     float* out, const float* q, const void* k_cache, const void* v_cache, const float* k_scales,
     const float* v_scales, const float* lut, const int32_t* block_tables, const int32_t* context_lens,
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t block_size, int64_t max_blocks, float scale, int64_t window, const float* alibi_slopes,
     int num_threads) {
-  (lut ? dispatch_q8<Table> : dispatch_q8<Int8>)(out, q, k_cache, v_cache, k_scales, v_scales, lut, block_tables,
-                                                  context_lens, num_seqs, num_heads, num_kv_heads, head_dim,
-                                                  block_size, max_blocks, scale, window, alibi_slopes, num_threads);
+  (lut ? dispatch<Table> : dispatch<Int8>)(out, q, k_cache, v_cache, k_scales, v_scales, lut, block_tables,
+                                           context_lens, num_seqs, num_heads, num_kv_heads, head_dim,
+                                           block_size, max_blocks, scale, window, alibi_slopes, num_threads);
 }
