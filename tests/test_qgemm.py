@@ -161,3 +161,16 @@ def test_four_bit_codes_out_of_range_are_refused():
     codes[0, 0] = 20
     with pytest.raises(ValueError, match="0..15"):
         pack(codes, torch.ones(16, 1, dtype=torch.float16), None, 4)
+
+
+@needs_kernel
+def test_active_isa_follows_a_forced_set_the_cpu_has(monkeypatch):
+    from minfer.quantization.qgemm import active_isa, best_isa
+
+    best = best_isa()
+    assert active_isa() == best
+    for name in _isas():  # every set this CPU has, forced, is the one that runs
+        monkeypatch.setenv("MINFER_GGUF_ISA", name)
+        assert active_isa() == name
+    monkeypatch.setenv("MINFER_GGUF_ISA", "vnni")  # forced beyond the CPU: its best
+    assert active_isa() == best

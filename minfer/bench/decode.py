@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 
@@ -161,21 +160,13 @@ def _llama_cpp_version() -> str:
     return getattr(llama_cpp, "__version__", "?")
 
 
-def _kernel_isa(best: str) -> str:
-    """The instruction set the integer GEMM runs here: `MINFER_GGUF_ISA` when it forces one this CPU has, else
-    the best this CPU has (the kernel's own rule, `minfer.quantization.qgemm`)."""
-    order = ("scalar", "avx2", "vnni")
-    forced = os.environ.get("MINFER_GGUF_ISA", "auto")
-    return forced if forced in order and order.index(forced) < order.index(best) else best
-
-
 def _gguf_facts(engine, path) -> dict:
     """The gguf engine's kernel, whether it decodes in one call, and its bytes against the file's."""
-    from minfer.quantization.gguf_matmul import best_isa, gguf_kernel_available
+    from minfer.quantization.qgemm import active_isa, qgemm_available
 
     model = engine.llm_engine.worker.model
     routes = sorted({m.gguf_route for m in model.modules() if hasattr(m, "gguf_route")})
-    facts = {"routes": routes, "kernel_isa": _kernel_isa(best_isa()) if gguf_kernel_available() else None}
+    facts = {"routes": routes, "kernel_isa": active_isa() if qgemm_available() else None}
     # whether its one-token steps run all layers in one C++ call (minfer.model.decode_layers_cpu)
     plan = getattr(getattr(model, "model", None), "_one_call_decode", None)
     facts["one_call_decode"] = plan is not None and type(plan()).__name__ == "DecodeLayersCpu"

@@ -75,6 +75,13 @@ def best_isa() -> str:
     return ISA_NAMES[_library().minfer_qgemm_best_isa()]
 
 
+def active_isa() -> str:
+    """The instruction set a call runs here: `MINFER_GGUF_ISA` when it forces one this CPU has, else the best
+    (the kernel's own rule: a forced set the CPU lacks gets the best it has)."""
+    forced, best = _isa_from_env(), _library().minfer_qgemm_best_isa()
+    return ISA_NAMES[forced if 0 < forced <= best else best]
+
+
 @dataclass
 class PackedWeight:
     """A weight `[n, k]` in the kernel's layout.
