@@ -100,7 +100,7 @@ def test_bad_layouts_are_named(monkeypatch):
     assert default_linear_method("cpu", torch.float32).name == ("hybrid" if onednn_available() else "split")
     assert default_linear_method("cpu", torch.bfloat16).name == ("hybrid" if onednn_available() else "split")
     assert default_linear_method("cuda", torch.bfloat16).name == "nn"
-    assert set(LINEAR_METHODS) == {"nn", "split", "onednn", "hybrid"}
+    assert set(LINEAR_METHODS) == {"nn", "split", "onednn", "hybrid", "panels"}
 
 
 def test_weight_loader_keeps_integer_codes_and_refuses_floats_for_them():

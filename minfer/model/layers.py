@@ -111,6 +111,7 @@ class Linear(nn.Module):
         self.keep_rows = False  # set by TiedEmbedding: weight_rows must work whatever the layout
         self.rows: torch.Tensor | None = None  # plain [out, in] copy kept for weight_rows under "onednn"
         self.packed: torch.Tensor | None = None  # oneDNN-packed copy under "hybrid" (not a parameter)
+        self.few_rows = None  # under "hybrid": the method of its few-row copy ("panels" or "split")
         self.weights_processed = False
         self.method.create_weights(self, in_features, self.output_sizes, bias)
 

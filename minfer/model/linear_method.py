@@ -27,9 +27,14 @@ The unquantized methods here are the CPU weight layouts that chapter 1 §1.7 mea
   AMD EPYC (Zen 4) CPUs of this course it is 1.2-2.5x faster than MKL for products of 2 to 2,000 rows
   (batched decode, prefill), but slower than "split" for a single row. Its packed tensor is opaque, so a
   head whose table is also the embedding keeps a plain copy for `weight_rows` (`layer.keep_rows`).
-- `"hybrid"` (the default for float32 and bfloat16 on a CPU with oneDNN): both copies, "split" for one row and "onednn"
-  for more. It stores the weights twice (2 x 540 MB for SmolLM2 in float32), the price of the fastest
-  product at every batch size; `MINFER_LINEAR_LAYOUT=split` keeps one copy.
+- `"panels"` (float32): `[ceil(out/16), in, 16]`, run by minfer's own few-row kernel
+  (`minfer.kernels.gemm_f32_cpu`): each 64-byte line of weights feeds the FMAs of up to 16 rows while the
+  next lines are prefetched, so a decode step of 1-16 rows streams the weights once at close to the memory's
+  rate (chapter 9 §9.2.6: a 16-row step's linears 31 ms against oneDNN's 40, one row 23 ms against 36).
+- `"hybrid"` (the default for float32 and bfloat16 on a CPU with oneDNN): two copies, a few-row one ("panels"
+  for float32 where its kernel builds, else "split") for up to 16 rows (one for "split"), and "onednn" for
+  more. It stores the weights twice (2 x 540 MB for SmolLM2 in float32), the price of the fastest product at
+  every batch size; `MINFER_LINEAR_LAYOUT=split` (or `panels`) keeps one copy.
 """
 
 from __future__ import annotations
@@ -127,6 +132,7 @@ class SplitLinearMethod(UnquantizedLinearMethod):
     the weights are repacked; a count that does not divide `out_features` becomes 1 for that layer."""
 
     name = "split"
+    max_rows = 1  # built for one row (under "hybrid", more rows go to oneDNN)
 
     def __init__(self, splits: int | None = None):
         self.splits = splits
@@ -194,24 +200,57 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
         return layer.rows[ids]
 
 
-class HybridLinearMethod(SplitLinearMethod):
-    """The "hybrid" CPU layout (module docstring): the "split" copy for one row, oneDNN's (`layer.packed`,
-    not a parameter) for more."""
+class PanelLinearMethod(UnquantizedLinearMethod):
+    """The "panels" CPU layout (module docstring): float32 `[ceil(out/16), in, 16]`, run by the few-row C++
+    kernel of `minfer.kernels.gemm_f32_cpu` (for any number of rows, but built for up to `max_rows`)."""
+
+    name = "panels"
+    max_rows = 16  # rows it beats oneDNN at (a 16-row decode step's linears 31 ms against 40; 24-32 rows level)
+
+    def process_weights_after_loading(self, layer: "Linear") -> None:
+        from minfer.kernels.gemm_f32_cpu import gemm_f32_available, pack_weight
+
+        if layer.weight.dtype != torch.float32 or not gemm_f32_available():
+            raise ValueError(f"the {self.name} layout needs a float32 weight and the C++ kernel built here")
+        layer.weight = nn.Parameter(pack_weight(layer.weight.data), requires_grad=False)
+
+    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        from minfer.kernels.gemm_f32_cpu import gemm_f32_unchecked
+
+        return gemm_f32_unchecked(x, layer.weight, layer.out_features, layer.bias)
+
+    def weight_rows(self, layer: "Linear", ids: torch.Tensor) -> torch.Tensor:
+        from minfer.kernels.gemm_f32_cpu import unpack_rows
+
+        return unpack_rows(layer.weight, ids)
+
+
+class HybridLinearMethod(UnquantizedLinearMethod):
+    """The "hybrid" CPU layout (module docstring): a few-row copy (`layer.few_rows` says which: "panels" for
+    float32 where its kernel builds, else "split") for up to its `max_rows` rows, oneDNN's (`layer.packed`, not
+    a parameter) for more."""
 
     name = "hybrid"
 
     def process_weights_after_loading(self, layer: "Linear") -> None:
         layer.packed = _onednn_pack(layer, self.name)
-        super().process_weights_after_loading(layer)
+        from minfer.kernels.gemm_f32_cpu import gemm_f32_available
+
+        panels = layer.weight.dtype == torch.float32 and gemm_f32_available()
+        layer.few_rows = PanelLinearMethod() if panels else SplitLinearMethod()
+        layer.few_rows.process_weights_after_loading(layer)
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
-        if x.numel() > layer.in_features:  # more than one row
+        if x.numel() > layer.few_rows.max_rows * layer.in_features:
             return _onednn_apply(layer, x, layer.packed)
-        return super().apply(layer, x)
+        return layer.few_rows.apply(layer, x)
+
+    def weight_rows(self, layer: "Linear", ids: torch.Tensor) -> torch.Tensor:
+        return layer.few_rows.weight_rows(layer, ids)
 
 
 LINEAR_METHODS = {"hybrid": HybridLinearMethod, "onednn": OneDNNLinearMethod, "split": SplitLinearMethod,
-                  "nn": UnquantizedLinearMethod}
+                  "panels": PanelLinearMethod, "nn": UnquantizedLinearMethod}
 
 
 def get_linear_method(name: str) -> LinearMethodBase:

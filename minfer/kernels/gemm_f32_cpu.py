@@ -1,0 +1,113 @@
+"""y = x W^T for a few rows of x in float32 on the CPU: the "panels" weight layout and its C++ kernel
+(`csrc/gemm_f32_cpu.cpp`; chapter 9 §9.2.6).
+
+A decode step multiplies every weight matrix by one row per running sequence. At 16 rows that product sits at
+this CPU's balance point: each weight float feeds 16 FMAs, so the cores compute about as fast as DRAM delivers
+the weights, and the time is lost wherever the two take turns. oneDNN's float32 kernel (what the "onednn" and
+"hybrid" layouts of `minfer.model.linear_method` run) is tuned for many rows; on the 16-row decode step of
+SmolLM2 it took ~40 ms for the linears, this kernel ~31 (`benchmarks/gemm_f32_cpu.py`).
+
+The layout: `pack_weight(w [N, K]) -> [ceil(N/16), K, 16]`, panels of 16 output features, one 64-byte line per
+k, so each panel is one contiguous stream; the kernel keeps up to 16 rows' accumulators in registers and
+feeds each weight line to all of them (AVX-512: 16 rows a pass; AVX2: 6; a scalar loop where neither
+exists, chosen when the library is built for the machine, `-march=native`).
+
+Exactness: each output is one float32 fused-multiply-add chain over k in increasing order, so a row's result
+does not depend on the other rows, on how many there are or on the thread split (batch-invariant); it differs
+from oneDNN's and MKL's sums (other orders) by float32 rounding.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from minfer.attention.cpu import load_cpu_library
+
+SOURCE = Path(__file__).with_name("csrc") / "gemm_f32_cpu.cpp"
+CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
+LANES = 16  # output features per panel
+
+
+class GemmF32Unavailable(RuntimeError):
+    """The C++ float32 GEMM could not be built or loaded here (the message says why)."""
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    """Build (once per source version and kind of CPU) and load the kernel.
+
+    Raises:
+        GemmF32Unavailable: disabled by MINFER_CPU_KERNELS=0, or the build or load failed.
+    """
+    lib = load_cpu_library(SOURCE, "minfer_gemm_f32_cpu", CFLAGS, GemmF32Unavailable)
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.minfer_gemm_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr, ctypes.c_int]
+    lib.minfer_gemm_f32.restype = None
+    lib.minfer_gemm_f32_isa.argtypes, lib.minfer_gemm_f32_isa.restype = [], ctypes.c_char_p
+    return lib
+
+
+def gemm_f32_available() -> bool:
+    """True when the kernel builds and loads on this machine (builds it on the first call)."""
+    try:
+        _library()
+        return True
+    except GemmF32Unavailable:
+        return False
+
+
+def isa() -> str:
+    """The instruction set the library was built for here: "avx512", "avx2" or "scalar"."""
+    return _library().minfer_gemm_f32_isa().decode()
+
+
+def pack_weight(w: torch.Tensor) -> torch.Tensor:
+    """w: float32 `[N, K]` (a Linear's `[out, in]`) -> float32 `[ceil(N/16), K, 16]`, zero padded."""
+    if w.dim() != 2 or w.dtype != torch.float32:
+        raise ValueError(f"pack_weight wants a float32 [N, K] matrix, got {w.dtype} {tuple(w.shape)}")
+    n, k = w.shape
+    panels = -(-n // LANES)
+    padded = torch.zeros(panels * LANES, k, dtype=torch.float32)
+    padded[:n] = w
+    return padded.view(panels, LANES, k).transpose(1, 2).contiguous()
+
+
+def unpack_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the matrix `packed` came from: `[len(ids), K]` (a tied embedding's lookup)."""
+    return packed[ids // LANES, :, ids % LANES]
+
+
+def gemm_f32(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x `[..., K]` @ W^T (+ bias) with W given as `pack_weight(W)`, W `[n, K]`: float32 `[..., n]`.
+
+    Raises:
+        ValueError: x is not a float32 CPU tensor, its last dim is not the packed K, or n does not fit the panels.
+        GemmF32Unavailable: the kernel is not built here.
+    """
+    if x.dtype != torch.float32 or not x.is_cpu:
+        raise ValueError(f"gemm_f32 wants a float32 CPU x, got {x.dtype} on {x.device}")
+    panels, k, _ = packed.shape
+    if x.shape[-1] != k or not (panels - 1) * LANES < n <= panels * LANES:
+        raise ValueError(f"x [..., {x.shape[-1]}] and n={n} do not fit panels [{panels}, {k}, {LANES}]")
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
+        raise ValueError(f"bias must be a contiguous float32 [{n}], got {bias.dtype} {tuple(bias.shape)}")
+    return gemm_f32_unchecked(x, packed, n, bias)
+
+
+def gemm_f32_unchecked(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`gemm_f32` without the checks: the engine's Linear calls it on tensors it made itself."""
+    k = packed.shape[1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32)
+    scratch = torch.empty(m * k, dtype=torch.float32)
+    _library().minfer_gemm_f32(out.data_ptr(), x2.data_ptr(), packed.data_ptr(),
+                               bias.data_ptr() if bias is not None else None, m, n, k, x2.stride(0), n,
+                               scratch.data_ptr(), torch.get_num_threads())
+    return out.view(*x.shape[:-1], n)
