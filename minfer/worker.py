@@ -27,6 +27,7 @@ import torch
 from minfer.attention import ContiguousBackend, ForwardContext, get_attn_backend
 from minfer.config import EngineArgs
 from minfer.kv_cache import KVCachePool
+from minfer.malloc_cpu import keep_freed_memory
 from minfer.attention.grouped import GroupedBackend, hybrid_layout, stacked_block_tables
 from minfer.model.loader import load_model
 from minfer.parallel.parallel_state import get_parallel_state
@@ -72,6 +73,8 @@ class Worker:
         self.config, self.source, self.eos_token_ids, self.dtype = (
             loaded.config, loaded.source, loaded.eos_token_ids, loaded.dtype)
         self.device = next(self.model.parameters()).device
+        if self.device.type == "cpu":
+            keep_freed_memory()  # a CPU forward's large buffers stay mapped for the next one (minfer/malloc_cpu.py)
         # This rank's part of the KV pool: its KV heads (tensor parallelism) of its stage's layers (pipeline).
         st = self.parallel = get_parallel_state()
         cfg = self.config

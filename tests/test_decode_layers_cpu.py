@@ -124,8 +124,13 @@ def test_one_call_decode_threads(tmp_path, threads):
 
 def test_falls_back_where_it_does_not_apply(tmp_path, monkeypatch):
     make_hf_model(tmp_path, "LlamaConfig", dict(SHAPES["d16-gqa2"], tie_word_embeddings=True))
-    # float32 weights: torch's matmuls, not the integer GEMM
-    assert dl.DecodeLayersCpu.build(load_model(str(tmp_path), dtype="float32", device="cpu").model.model) is None
+    # float32 weights in oneDNN's layout (or "split"): torch's matmuls, not one of the C++ GEMMs
+    for layout in ("onednn", "split"):
+        monkeypatch.setenv("MINFER_LINEAR_LAYOUT", layout)
+        assert dl.DecodeLayersCpu.build(load_model(str(tmp_path), dtype="float32", device="cpu").model.model) is None
+    monkeypatch.delenv("MINFER_LINEAR_LAYOUT")
+    f32 = dl.DecodeLayersCpu.build(load_model(str(tmp_path), dtype="float32", device="cpu").model.model)
+    assert f32 is not None and f32.max_rows == 16  # the "hybrid" default: float32 panels for up to 16 rows
     quant = dict(quantization="int4", quantization_config={"group_size": 32})
     monkeypatch.setenv("MINFER_FUSED_CPU_OPS", "0")  # the fused ops off: the per-op path is torch's
     assert dl.DecodeLayersCpu.build(load_model(str(tmp_path), dtype="float32", device="cpu", **quant).model.model) is None
@@ -196,3 +201,41 @@ def test_paged_pool_bit_identical(tmp_path):
             assert torch.equal(a, b), f"pools differ after position {p}"
     lm._decode_cpu = None
     assert counting.used == 4
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 17])
+@torch.inference_mode()
+def test_batched_float32_decode_bit_identical(tmp_path, rows):
+    """A float32 model's batched decode step (the "hybrid" layout's panels, CpuPagedBackend): `rows` sequences
+    of different lengths with scattered block tables, each storing its token at its own slot; the same bits as
+    the per-op path, pool included. 17 rows are more than the panels take: the per-op path (oneDNN) runs."""
+    from minfer.attention.cpu import CpuPagedBackend
+
+    make_hf_model(tmp_path, "LlamaConfig", dict(SHAPES["d64-gqa2"], tie_word_embeddings=True))
+    model = load_model(str(tmp_path), dtype="float32", device="cpu").model
+    lm, cfg = model.model, model.config
+    plan = dl.DecodeLayersCpu.build(lm)
+    assert plan is not None
+    nb, bs = 4 * rows + 2, 4
+    g = torch.Generator().manual_seed(rows)
+    pool = [torch.randn(2, nb, bs, cfg.num_key_value_heads, cfg.head_dim, generator=g)
+            for _ in range(cfg.num_hidden_layers)]
+    backends = [CpuPagedBackend([t.clone() for t in pool]) for _ in range(2)]
+    table = torch.randperm(nb, generator=g)[:4 * rows].view(rows, 4).to(torch.int32)  # 4 blocks each, disjoint
+    start = torch.randint(0, 12, (rows,), generator=g)  # each sequence's position before the first step
+    counting = _Counting(plan)
+    for step in range(3):
+        pos = start + step
+        slots = (table[torch.arange(rows), pos // bs].long() * bs + pos % bs)
+        tok = torch.randint(0, cfg.vocab_size, (rows,), generator=g)
+        outs = []
+        for b, fast in zip(backends, (counting, _NO_ONE_CALL)):
+            lm._decode_cpu = fast
+            ctx = ForwardContext(b, positions=pos, slot_mapping=slots, block_tables=table,
+                                 context_lens=(pos + 1).to(torch.int32))
+            outs.append(model(tok, ctx))
+        assert torch.equal(outs[0], outs[1]), f"hidden states differ at step {step}"
+        for a, b in zip(backends[0].kv_caches, backends[1].kv_caches):
+            assert torch.equal(a, b), f"pools differ after step {step}"
+    lm._decode_cpu = None
+    assert counting.used == (3 if rows <= 16 else 0)

@@ -1,5 +1,6 @@
-"""A one-token decode step of all the Llama layers in one C++ call (`csrc/decode_layers_cpu.cpp`; chapter 9
-§9.2.4, chapter 5 §5.4).
+"""A decode step of all the Llama layers in one C++ call (`csrc/decode_layers_cpu.cpp`; chapter 9 §9.2.4 and
+§9.2.6, chapter 5 §5.4): one token of a quantized model, or one token for each of up to 16 sequences of a float32
+model.
 
 At batch 1 on the CPU the per-op path spends more time in Python than in arithmetic: each of the 30 layers
 makes ~60 calls (module calls, output allocations, views, ctypes argument conversion) around its ten kernels.
@@ -9,16 +10,22 @@ libraries the per-op path already loaded, with the same arguments, on one scratc
 (one torch allocation for the 30 layers). The results are the per-op path's bit for bit
 (tests/test_decode_layers_cpu.py checks hidden states and the K/V cache contents).
 
+A batched float32 decode step has the same overhead: at 16 rows SmolLM2's step took ~10 ms of Python and torch
+dispatch around ~31 ms of GEMMs (the few-row kernel of `minfer.kernels.gemm_f32_cpu`), which the one call removes
+(chapter 9 §9.2.6).
+
 What it covers, decided once when the plan is built (`DecodeLayersCpu.build`, which returns None, and so the
 per-op path, for anything else):
 - a Llama-family model on the CPU in float32 with the fused CPU ops on (`BuildOptions.fused_ops == "cpu"`;
   `MINFER_FUSED_CPU_OPS=0` turns both off);
-- every projection of every layer on the integer GEMM with no bias (gguf Q4_0/Q4_1/Q8_0 blocks, gguf Q4_K
-  through int4, `int4`, `int8`; a float32 model does not qualify: its matmuls are torch's oneDNN calls);
+- every projection of every layer with no bias, either all on the integer GEMM (gguf Q4_0/Q4_1/Q8_0 blocks, gguf
+  Q4_K through int4, `int4`, `int8`: steps of one token) or all float32 "panels" (the "hybrid" layout's few-row
+  copy, or "panels" itself: steps of up to `PanelLinearMethod.max_rows` tokens, the rows the per-op path gives to
+  the same kernel);
 - no QK-norm, no sliding window, no ALiBi, one tensor-parallel rank and one pipeline stage.
-And per call (`run` returns None, and the model takes the per-op path): one token; the attention backend is the
-C++ one (`CpuContiguousBackend` of the simple path, or `CpuPagedBackend` at one decoding sequence and no
-prefill) over a float32 cache (a quantized KV cache is not covered); no forward hooks on the layers (a hook, e.g.
+And per call (`run` returns None, and the model takes the per-op path): at most `max_rows` tokens; the attention
+backend is the C++ one (`CpuContiguousBackend` of the simple path at one token, or `CpuPagedBackend` with every
+row a decoding sequence, no prefill) over a float32 cache (a quantized KV cache is not covered); no forward hooks on the layers (a hook, e.g.
 an adapter, must see the per-op path); no autograd.
 `MINFER_DECODE_LAYERS_CPU=0` turns it off.
 """
@@ -26,6 +33,7 @@ an adapter, must see the per-op path); no autograd.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import os
 import weakref
@@ -45,7 +53,7 @@ class DecodeLayersUnavailable(RuntimeError):
 class _QWeight(ctypes.Structure):
     _fields_ = [("qs", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("bits", ctypes.c_int32),
                 ("offset", ctypes.c_int32), ("bf16", ctypes.c_int32), ("pad_", ctypes.c_int32),
-                ("gs", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
+                ("gs", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("panels", ctypes.c_void_p)]
 
 
 class _Layer(ctypes.Structure):
@@ -58,14 +66,14 @@ class _Step(ctypes.Structure):
     _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("inter", ctypes.c_int64), ("eps", ctypes.c_float),
                 ("scale", ctypes.c_float), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
-                ("slot", ctypes.c_int64), ("block_table", ctypes.c_void_p), ("context_len", ctypes.c_void_p),
+                ("slots", ctypes.c_void_p), ("block_table", ctypes.c_void_p), ("context_len", ctypes.c_void_p),
                 ("block_size", ctypes.c_int64), ("max_blocks", ctypes.c_int64), ("isa", ctypes.c_int32),
-                ("nthreads", ctypes.c_int32)]
+                ("nthreads", ctypes.c_int32), ("rows", ctypes.c_int64)]
 
 
 class _Fns(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in
-                ("qgemm", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary", "paged_decode")]
+                ("qgemm", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary", "paged_decode", "gemm_f32")]
 
 
 @functools.cache
@@ -74,12 +82,14 @@ def _library() -> tuple[ctypes.CDLL, _Fns]:
     Raises DecodeLayersUnavailable (disabled, or a library did not build)."""
     from minfer.attention import cpu as attention_cpu
     from minfer.attention.cpu import load_cpu_library
+    from minfer.kernels import gemm_f32_cpu
     from minfer.model import fused_cpu
     from minfer.quantization import qgemm
 
     try:
         att, fused, gemm = attention_cpu._library(), fused_cpu._library(), qgemm._library()
-    except RuntimeError as e:  # CpuKernelUnavailable, FusedCpuUnavailable, QGemmUnavailable
+        f32 = gemm_f32_cpu._library()
+    except RuntimeError as e:  # CpuKernelUnavailable, FusedCpuUnavailable, QGemmUnavailable, GemmF32Unavailable
         raise DecodeLayersUnavailable(f"a kernel library is unavailable: {e}") from e
     lib = load_cpu_library(SOURCE, "minfer_decode_layers_cpu", CFLAGS, DecodeLayersUnavailable)
     ptr = ctypes.c_void_p
@@ -92,19 +102,37 @@ def _library() -> tuple[ctypes.CDLL, _Fns]:
         return ctypes.cast(f, ctypes.c_void_p).value
 
     fns = _Fns(fn(gemm.minfer_qgemm), fn(fused.minfer_rms_norm_f32), fn(fused.minfer_fused_add_rms_norm_f32),
-               fn(fused.minfer_silu_and_mul_f32), fn(fused.minfer_rotary_f32), fn(att.minfer_paged_decode_f32))
+               fn(fused.minfer_silu_and_mul_f32), fn(fused.minfer_rotary_f32), fn(att.minfer_paged_decode_f32),
+               fn(f32.minfer_gemm_f32))
     return lib, fns
 
 
+@dataclasses.dataclass(frozen=True)
+class _Panels:
+    """A float32 `Linear`'s panels `[ceil(n/16), k, 16]` (`minfer.kernels.gemm_f32_cpu`), its n, and the most rows
+    its per-op forward runs on them."""
+
+    panels: torch.Tensor
+    n: int
+    max_rows: int
+
+
 def _packed_weight(linear):
-    """The integer GEMM's `PackedWeight` of a `Linear` whose forward is exactly one `qgemm_unchecked` call (and
-    nothing after it: no bias), else None."""
+    """How the one call runs a `Linear` whose forward is exactly one kernel call (and nothing after it: no bias):
+    the integer GEMM's `PackedWeight` (steps of one token), or `(panels, max_rows)`, its float32 panels and the
+    most rows its per-op forward gives them; None for anything else."""
+    from minfer.model.linear_method import HybridLinearMethod, PanelLinearMethod
     from minfer.quantization.base import QuantizedLinearMethod, packed
     from minfer.quantization.gguf import GGUFLinearMethod
 
-    if getattr(linear, "bias", None) is not None or not getattr(linear, "quantized", False):
+    if getattr(linear, "bias", None) is not None:
         return None
     method = linear.method
+    few = linear.few_rows if type(method) is HybridLinearMethod else method
+    if type(few) is PanelLinearMethod:
+        return _Panels(linear.weight, linear.out_features, few.max_rows)
+    if not getattr(linear, "quantized", False):
+        return None
     if type(method).apply is GGUFLinearMethod.apply:
         route = getattr(linear, "gguf_route", None)
         if route == "int4":  # Q4_K: the int4 method's route
@@ -121,9 +149,11 @@ def _packed_weight(linear):
 def _qweight(w) -> _QWeight:
     from minfer.quantization.qgemm import BLOCK
 
+    if isinstance(w, _Panels):
+        return _QWeight(n=w.n, k=w.panels.shape[1], panels=w.panels.data_ptr())
     # The arguments `qgemm_unchecked` passes for this weight.
     return _QWeight(w.qs.data_ptr(), w.d.data_ptr(), w.m.data_ptr() if w.m is not None else None, w.bits,
-                    128 if w.bits == 8 else w.offset, int(w.bf16), 0, w.group // BLOCK, w.n, w.k)
+                    128 if w.bits == 8 else w.offset, int(w.bf16), 0, w.group // BLOCK, w.n, w.k, None)
 
 
 def _global_hooks() -> bool:
@@ -143,7 +173,9 @@ class DecodeLayersCpu:
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.attn.scale
         self.hidden = layers[0].input_layernorm.weight.shape[0]
-        self.inter = weights[0][2].n // 2
+        self.inter = layers[0].mlp.gate_up_proj.out_features // 2
+        # Steps of one token on the integer GEMM; on float32 panels as many as the per-op path gives them.
+        self.max_rows = min(w.max_rows if isinstance(w, _Panels) else 1 for ws in weights for w in ws)
         self.eps = layers[0].input_layernorm.eps
         self.layers = layers
         self.weights = weights  # keeps the PackedWeight views alive with the model
@@ -162,12 +194,14 @@ class DecodeLayersCpu:
         step = _Step(hidden=self.hidden, heads=self.num_heads, kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                      inter=self.inter, eps=self.eps, scale=self.scale)
         self._step = step
-        self._scratch_floats = self._lib.minfer_decode_layers_scratch_floats(ctypes.byref(step))
+        self._scratch_floats = {}  # rows -> floats of scratch a step needs
 
     def _current_weight_ptrs(self):
+        def ptr(linear):  # the tensor the table points into: the packed codes, or the float32 panels
+            return (linear.qg_qs if getattr(linear, "quantized", False) else linear.weight).data_ptr()
+
         ends = (self.layers[0], self.layers[-1])
-        return tuple(p for layer in ends for p in (layer.self_attn.qkv_proj.qg_qs.data_ptr(),
-                                                    layer.mlp.down_proj.qg_qs.data_ptr(),
+        return tuple(p for layer in ends for p in (ptr(layer.self_attn.qkv_proj), ptr(layer.mlp.down_proj),
                                                     layer.input_layernorm.weight.data_ptr()))
 
     @classmethod
@@ -226,26 +260,33 @@ class DecodeLayersCpu:
         return table
 
     def run(self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin, ctx):
-        """All layers for one token: x float32 `[1, hidden]` (the embedding, with `residual` None, or the hidden
-        state with its residual `[1, hidden]`) -> (hidden, residual) `[1, hidden]` each, as the layer loop of
-        `LlamaModel.forward` returns them, bit for bit; K/V stored in the backend's cache. None where this call
-        does not cover the step (the module docstring): the caller then runs the per-op path."""
+        """All layers for T tokens, one per decoding sequence (T <= `max_rows`): x float32 `[T, hidden]` (the
+        embedding, with `residual` None, or the hidden state with its residual `[T, hidden]`) -> (hidden, residual)
+        `[T, hidden]` each, as the layer loop of `LlamaModel.forward` returns them, bit for bit; K/V stored in the
+        backend's cache. None where this call does not cover the step (the module docstring): the caller then
+        runs the per-op path."""
         from minfer.attention.cpu import CpuContiguousBackend, CpuDecodeTables, CpuPagedBackend
 
+        rows = x.shape[0]
         backend = ctx.attn_backend
-        if x.dtype != torch.float32 or not x.is_cpu or backend.kv_scales is not None or torch.is_grad_enabled():
+        if (rows > self.max_rows or x.dtype != torch.float32 or not x.is_cpu or backend.kv_scales is not None
+                or torch.is_grad_enabled()):
             return None
         if type(backend) is CpuContiguousBackend:
             lens = ctx.attn_metadata
-            if lens is None:
+            if lens is None or rows != 1:
                 return None
-            block_table, block_size, max_blocks, slot = backend._block_table, backend.max_len, 1, ctx.start_pos
+            block_table, block_size, max_blocks = backend._block_table, backend.max_len, 1
+            slots = torch.tensor([ctx.start_pos], dtype=torch.int64)
         elif type(backend) is CpuPagedBackend:
             plan = ctx.attn_metadata.decode if ctx.num_prefills == 0 else None
-            if not isinstance(plan, CpuDecodeTables) or plan.block_tables.shape[0] != 1:
+            if not isinstance(plan, CpuDecodeTables) or plan.block_tables.shape[0] != rows:
                 return None
             lens, block_table = plan.context_lens, plan.block_tables
-            block_size, max_blocks, slot = backend.block_size, block_table.shape[1], int(ctx.slot_mapping[0])
+            block_size, max_blocks = backend.block_size, block_table.shape[1]
+            slots = ctx.slot_mapping
+            if slots.dtype != torch.int64 or not slots.is_contiguous() or slots.shape != (rows,):
+                return None
         else:
             return None
         if backend.kv_caches[0].dtype != torch.float32 or _global_hooks() or any(self._hook_dicts):
@@ -253,19 +294,23 @@ class DecodeLayersCpu:
         from minfer.quantization.qgemm import _isa_from_env
 
         cos, sin = cos_sin[0].contiguous(), cos_sin[1].contiguous()
-        if cos.shape != (1, self.head_dim // 2) or self._current_weight_ptrs() != self._weight_ptrs:
+        if cos.shape != (rows, self.head_dim // 2) or self._current_weight_ptrs() != self._weight_ptrs:
             return None  # (partial rotary takes torch's RoPE in the per-op path; so does a moved model, for good)
         # A fresh step struct and scratch per call (a few microseconds), so two threads may share the model.
         s = _Step.from_buffer_copy(self._step)
-        scratch = torch.empty(self._scratch_floats, dtype=torch.float32)
-        s.cos, s.sin, s.slot = cos.data_ptr(), sin.data_ptr(), slot
+        s.rows = rows
+        floats = self._scratch_floats.get(rows)
+        if floats is None:
+            floats = self._scratch_floats[rows] = self._lib.minfer_decode_layers_scratch_floats(ctypes.byref(s))
+        scratch = torch.empty(floats, dtype=torch.float32)
+        s.cos, s.sin, s.slots = cos.data_ptr(), sin.data_ptr(), slots.data_ptr()
         s.block_table, s.context_len = block_table.data_ptr(), lens.data_ptr()
         s.block_size, s.max_blocks = block_size, max_blocks
         s.isa, s.nthreads = _isa_from_env(), torch.get_num_threads()
         x = x.contiguous()
         res_in = residual.contiguous() if residual is not None else None
-        x_out = torch.empty(1, self.hidden, dtype=torch.float32)
-        res_out = torch.empty(1, self.hidden, dtype=torch.float32)
+        x_out = torch.empty(rows, self.hidden, dtype=torch.float32)
+        res_out = torch.empty(rows, self.hidden, dtype=torch.float32)
         self._lib.minfer_decode_layers(ctypes.byref(self._fns), self._layer_table(backend), len(self.layers),
                                        ctypes.byref(s), x.data_ptr(),
                                        res_in.data_ptr() if res_in is not None else None, x_out.data_ptr(),

@@ -136,9 +136,9 @@ class LlamaModel(nn.Module):
             x, residual = intermediate[0], intermediate[1]
         # cos/sin of this forward's positions: gathered once here, not once per layer.
         cos_sin = self.rotary_emb.cos_sin_for(ctx.positions)
-        # A one-token step on the CPU: all layers in one C++ call where it covers the model and the step (the same
-        # kernels in the same order, bit for bit; chapter 9 §9.2.4), else the layers one by one.
-        out = self._one_call_decode().run(x, residual, cos_sin, ctx) if x.shape[0] == 1 and x.is_cpu else None
+        # A decode step on the CPU: all layers in one C++ call where it covers the model and the step (the same
+        # kernels in the same order, bit for bit; chapter 9 §9.2.4, §9.2.6), else the layers one by one.
+        out = self._one_call_decode().run(x, residual, cos_sin, ctx) if x.is_cpu else None
         if out is not None:
             x, residual = out
         else:
