@@ -10,8 +10,9 @@ extension builder (`torch.utils.cpp_extension.load`: ninja, a build cache, a loc
 and calls it through `ctypes` with the tensors' data pointers, so the C++ needs no torch headers and builds
 in about a second.
 
-`CpuPagedBackend` is `minfer.attention.torch_ref.PagedTorchBackend` with the decode part replaced; prefill is
-unchanged. It also reads a quantized pool (`kv_cache_dtype` int8 / fp8, `minfer.attention.kv_quant`): the
+`CpuPagedBackend` is `minfer.attention.torch_ref.PagedTorchBackend` with the decode part replaced, and its
+prefill (one sequence's causal attention) on `csrc/prefill_cpu.cpp` where that applies (`attend_prefill_cpu`:
+float32, no ALiBi or short window; chapter 9 §9.2.6), as `CpuContiguousBackend`'s. It also reads a quantized pool (`kv_cache_dtype` int8 / fp8, `minfer.attention.kv_quant`): the
 codes in place, with their per-token scales (`minfer_paged_decode_q8`). The engine uses it by default for float32 on the CPU when the kernel builds (`attention_backend="auto"`), and falls
 back to the torch reference, with one warning, when it does not (no C++ compiler, no ninja, a platform
 whose compiler lacks OpenMP). `MINFER_CPU_KERNELS=0` turns it off.
@@ -39,6 +40,10 @@ SOURCE = Path(__file__).with_name("csrc") / "paged_decode_cpu.cpp"
 # -ffast-math lets gcc vectorize the exp loop (glibc's libmvec); the kernel never sees inf or NaN.
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 MAX_HEADS = 256  # query heads the kernel's per-item stack buffer holds (kMaxHeadsPerItem)
+
+
+PREFILL_SOURCE = Path(__file__).with_name("csrc") / "prefill_cpu.cpp"
+PREFILL_MAX_HEAD_DIM = 256  # kMaxD of prefill_cpu.cpp
 
 
 class CpuKernelUnavailable(RuntimeError):
@@ -104,6 +109,53 @@ def _library() -> ctypes.CDLL:
                   ptr, ctypes.c_int]
     f.restype = None
     return lib
+
+
+@functools.cache
+def _prefill_library() -> ctypes.CDLL | None:
+    """The prefill attention kernel (csrc/prefill_cpu.cpp), built once per source version and kind of CPU; None
+    where it cannot be (the callers then run torch's SDPA)."""
+    try:
+        lib = load_cpu_library(PREFILL_SOURCE, "minfer_prefill_cpu", CFLAGS, CpuKernelUnavailable)
+    except CpuKernelUnavailable as e:
+        logger.info("prefill attention runs torch's SDPA: %s", e)
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.minfer_prefill_attention_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64,
+                                                 ctypes.c_float, ptr, ctypes.c_int]
+    lib.minfer_prefill_attention_f32.restype = ctypes.c_int
+    lib.minfer_prefill_scratch_floats.argtypes = [i64, i64, i64]
+    lib.minfer_prefill_scratch_floats.restype = i64
+    return lib
+
+
+def attend_prefill_cpu(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """`minfer.attention.torch_ref.attend` (causal attention of one sequence whose queries are the last Tq of
+    its Tk keys: q `[Tq, H, D]`, k/v `[Tk, KVH, D]` -> `[Tq, H, D]`) on the C++ kernel of csrc/prefill_cpu.cpp
+    where it applies: float32 CPU tensors, no ALiBi, no sliding window shorter than the keys, head_dim <= 256,
+    each head's D floats contiguous. Elsewhere (and where the kernel does not build) torch's SDPA, as before.
+
+    A row's result does not depend on how many queries come with it (a chunk of a prompt gives the same bits
+    as the whole prompt for its rows), unlike SDPA's; it equals SDPA's to float32 rounding
+    (tests/test_prefill_attention_cpu.py). Chapter 9 §9.2.6 measures it."""
+    from minfer.attention.torch_ref import attend
+
+    tq, h, d = q.shape
+    tk, kvh = k.shape[0], k.shape[1]
+    window = layer.sliding_window
+    if (q.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32 or not q.is_cpu
+            or layer.alibi_slopes is not None or (window and window < tk) or d > PREFILL_MAX_HEAD_DIM
+            or tq > tk or h % kvh or any(t.stride(2) != 1 or t.stride(1) != d for t in (q, k, v))):
+        return attend(layer, q, k, v)
+    lib = _prefill_library()
+    if lib is None:
+        return attend(layer, q, k, v)
+    nt = torch.get_num_threads()
+    out = torch.empty(tq, h, d, dtype=torch.float32)
+    scratch = torch.empty(lib.minfer_prefill_scratch_floats(tk, kvh, d), dtype=torch.float32)
+    lib.minfer_prefill_attention_f32(out.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), tq, tk, h, kvh, d,
+                                     q.stride(0), k.stride(0), v.stride(0), layer.scale, scratch.data_ptr(), nt)
+    return out
 
 
 def cpu_kernel_available() -> bool:
@@ -269,6 +321,7 @@ class CpuPagedBackend(PagedTorchBackend):
     """
 
     name = "cpu"
+    attend_prefill = staticmethod(attend_prefill_cpu)  # prefill on the C++ kernel too, where it applies
 
     def __init__(self, kv_caches: list[torch.Tensor], kv_scales: list[torch.Tensor] | None = None,
                  spec: KVCacheSpec | None = None):
@@ -327,6 +380,7 @@ class CpuContiguousBackend(ContiguousBackend):
     """
 
     name = "contiguous-cpu"
+    attend_prefill = staticmethod(attend_prefill_cpu)  # the engine's prefill kernel, so both paths agree
 
     def __init__(self, num_layers: int, max_len: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", kv_cache_dtype: str = "auto"):

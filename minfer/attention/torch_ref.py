@@ -51,6 +51,9 @@ def attend(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
     return out[0].transpose(0, 1)
 
 
+_attend_sequence = attend  # for the backends' class bodies, where `attend` is their own method
+
+
 class ContiguousBackend(AttentionBackend):
     """Chapter 1's KV cache as a backend: per layer one `[max_len, KVH, D]` tensor for a single sequence.
 
@@ -98,10 +101,13 @@ class ContiguousBackend(AttentionBackend):
         end = ctx.start_pos + q.shape[0]
         kv = self.kv_caches[layer.layer_idx]
         if self.kv_scales is None:
-            return attend(layer, q, kv[0, :end].to(q.dtype), kv[1, :end].to(q.dtype))
+            return self.attend_prefill(layer, q, kv[0, :end].to(q.dtype), kv[1, :end].to(q.dtype))
         sc = self.kv_scales[layer.layer_idx]
-        return attend(layer, q, dequantize_kv(kv[0, :end], sc[0, :end], q.dtype),
-                      dequantize_kv(kv[1, :end], sc[1, :end], q.dtype))
+        return self.attend_prefill(layer, q, dequantize_kv(kv[0, :end], sc[0, :end], q.dtype),
+                                   dequantize_kv(kv[1, :end], sc[1, :end], q.dtype))
+
+    # One sequence's causal attention (the module's `attend`); the CPU backends put their own kernel here.
+    attend_prefill = staticmethod(_attend_sequence)
 
 
 @dataclass
@@ -230,10 +236,12 @@ class PagedTorchBackend(AttentionBackend):
                 keys, vals = k[q0:q1], v[q0:q1]
             else:  # a later chunk or a prefix-cache hit: earlier keys come from the pool
                 keys, vals = self._gather_kv(layer, ctx.block_tables[i], n, q.dtype)
-            out[q0:q1] = attend(layer, q[q0:q1], keys, vals)
+            out[q0:q1] = self.attend_prefill(layer, q[q0:q1], keys, vals)
         if ctx.num_prefill_tokens < q.shape[0]:
             out[ctx.num_prefill_tokens:] = self._decode(layer, kv, q[ctx.num_prefill_tokens:], ctx)
         return out
+
+    attend_prefill = staticmethod(_attend_sequence)  # as ContiguousBackend's
 
     def _decode_plan(self, ctx: ForwardContext) -> "_DecodePlan":
         """The decode sequences sorted by context length, cut into groups of `DECODE_GROUP`, each with its
