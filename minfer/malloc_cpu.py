@@ -15,7 +15,8 @@ gets by preloading tcmalloc (its installation guide's advice); minfer asks glibc
 
 `keep_freed_memory()` is called by the `Worker` of a CPU engine (offline `LLM` and the server's engine
 process). It changes nothing where the user set glibc's own variables (`MALLOC_MMAP_THRESHOLD_`,
-`MALLOC_TRIM_THRESHOLD_`: theirs win), where `MINFER_MALLOC_TUNING=0`, or off glibc.
+`MALLOC_TRIM_THRESHOLD_`, or a `glibc.malloc.*` tunable in `GLIBC_TUNABLES`: theirs win), where
+`MINFER_MALLOC_TUNING` is 0 (or false / no / off), or off glibc.
 """
 
 from __future__ import annotations
@@ -35,13 +36,17 @@ _done = False
 def keep_freed_memory() -> bool:
     """Set glibc's mmap and trim thresholds (module docstring), once per process. Returns True when they are
     set (now or by an earlier call), False where it leaves malloc as it is (another libc, the user's own
-    settings, `MINFER_MALLOC_TUNING=0`)."""
+    settings, `MINFER_MALLOC_TUNING` off)."""
     global _done
     if _done:
         return True
-    if os.environ.get("MINFER_MALLOC_TUNING", "1") == "0" or not sys.platform.startswith("linux"):
+    if os.environ.get("MINFER_MALLOC_TUNING", "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    if not sys.platform.startswith("linux"):
         return False
     if any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")):
+        return False
+    if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):  # the user tuned malloc: theirs win
         return False
     try:
         libc = ctypes.CDLL(None)

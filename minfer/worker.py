@@ -75,6 +75,10 @@ class Worker:
         self.device = next(self.model.parameters()).device
         if self.device.type == "cpu":
             keep_freed_memory()  # a CPU forward's large buffers stay mapped for the next one (minfer/malloc_cpu.py)
+            # Build the one-call decode plan (and so its C++ libraries) now, not during the first request.
+            inner = getattr(self.model, "model", None)
+            if hasattr(inner, "_one_call_decode"):
+                inner._one_call_decode()
         # This rank's part of the KV pool: its KV heads (tensor parallelism) of its stage's layers (pipeline).
         st = self.parallel = get_parallel_state()
         cfg = self.config

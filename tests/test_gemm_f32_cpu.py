@@ -53,7 +53,7 @@ def test_a_row_does_not_depend_on_its_batch():
 def test_unpack_rows_gives_the_matrix_rows():
     w = torch.randn(37, 11)
     ids = torch.tensor([0, 5, 36, 16, 15])
-    assert torch.equal(g.unpack_rows(g.pack_weight(w), ids), w[ids])
+    assert torch.equal(g.unpack_rows(g.pack_weight(w), ids, 37), w[ids])
 
 
 def test_bad_inputs_are_refused():
@@ -68,6 +68,35 @@ def test_bad_inputs_are_refused():
         g.gemm_f32(torch.randn(2, 8), w, 32, torch.randn(31))
     with pytest.raises(ValueError, match="float32"):
         g.pack_weight(torch.randn(4, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="float32 CPU x"):
+        g.gemm_f32(torch.tensor(1.0), w, 32)
+    # the packed weight itself: dtype, shape, layout, device (a wrong one must not reach the kernel)
+    for bad in (w.double(), w.view(2, -1), w.transpose(0, 1).contiguous().transpose(0, 1),
+                torch.empty(2, 8, 16, device="meta"), torch.empty(2, 8, 8)):
+        with pytest.raises(ValueError, match="packed"):
+            g.gemm_f32(torch.randn(2, 8), bad, 32)
+    with pytest.raises(ValueError, match="bias"):
+        g.gemm_f32(torch.randn(2, 8), w, 32, torch.ones(32, device="meta"))
+
+
+def test_an_unaligned_packed_weight_computes_the_same():
+    """The kernel's weight loads do not assume 64-byte alignment (a view into a larger buffer)."""
+    torch.manual_seed(4)
+    w = torch.randn(50, 64)
+    buf = torch.empty(g.pack_weight(w).numel() + 1)
+    p = buf[1:].view(4, 64, 16)
+    p.copy_(g.pack_weight(w))
+    x = torch.randn(4, 64)
+    _close(g.gemm_f32(x, p, 50), x.double() @ w.double().T, 64)
+
+
+def test_unpack_rows_refuses_ids_outside_the_matrix():
+    w = torch.randn(50, 8)
+    p = g.pack_weight(w)
+    assert torch.equal(g.unpack_rows(p, torch.tensor([-1, 49]), 50), w[[49, 49]])
+    for bad in (50, 55, -51):
+        with pytest.raises(IndexError):
+            g.unpack_rows(p, torch.tensor([bad]), 50)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 40])

@@ -31,8 +31,10 @@ def test_tuning_is_set_once_and_can_be_turned_off():
         pytest.skip("not glibc")
     assert _probe() == "True True"
     assert _probe(MINFER_MALLOC_TUNING="0") == "False False"
+    assert _probe(MINFER_MALLOC_TUNING="off") == "False False"
 
 
 def test_the_users_own_malloc_settings_win():
     assert _probe(MALLOC_TRIM_THRESHOLD_="1000000") == "False False"
     assert _probe(MALLOC_MMAP_THRESHOLD_="1000000") == "False False"
+    assert _probe(GLIBC_TUNABLES="glibc.malloc.mmap_threshold=65536") == "False False"

@@ -331,6 +331,7 @@ class CpuPagedBackend(PagedTorchBackend):
                                        f"{kv_caches[0].dtype} on {kv_caches[0].device}")
         if not all(c.is_contiguous() for c in kv_caches + list(kv_scales or [])):
             raise CpuKernelUnavailable("the CPU kernel reads contiguous K/V (and scale) tensors in place")
+        _prefill_library()  # built now (once per machine), not in the first request's prefill
         super().__init__(kv_caches, kv_scales, spec)
 
     def _decode_plan(self, ctx: ForwardContext) -> CpuDecodeTables:

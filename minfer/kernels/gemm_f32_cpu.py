@@ -76,8 +76,12 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor:
     return padded.view(panels, LANES, k).transpose(1, 2).contiguous()
 
 
-def unpack_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of the matrix `packed` came from: `[len(ids), K]` (a tied embedding's lookup)."""
+def unpack_rows(packed: torch.Tensor, ids: torch.Tensor, n: int) -> torch.Tensor:
+    """Rows `ids` (any shape; negative ones count from the end, as in indexing) of the `[n, K]` matrix `packed`
+    came from: `[*ids.shape, K]` (a tied embedding's lookup). Raises IndexError for an id outside [-n, n)."""
+    if ids.numel() and (int(ids.min()) < -n or int(ids.max()) >= n):
+        raise IndexError(f"row ids must be in [-{n}, {n}), got {int(ids.min())}..{int(ids.max())}")
+    ids = torch.where(ids < 0, ids + n, ids)
     return packed[ids // LANES, :, ids % LANES]
 
 
@@ -88,13 +92,19 @@ def gemm_f32(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor |
         ValueError: x is not a float32 CPU tensor, its last dim is not the packed K, or n does not fit the panels.
         GemmF32Unavailable: the kernel is not built here.
     """
-    if x.dtype != torch.float32 or not x.is_cpu:
-        raise ValueError(f"gemm_f32 wants a float32 CPU x, got {x.dtype} on {x.device}")
+    if x.dtype != torch.float32 or not x.is_cpu or x.dim() == 0:
+        raise ValueError(f"gemm_f32 wants a float32 CPU x [..., K], got {x.dtype} {tuple(x.shape)} on {x.device}")
+    if (packed.dtype != torch.float32 or not packed.is_cpu or packed.dim() != 3 or packed.shape[2] != LANES
+            or not packed.is_contiguous()):
+        raise ValueError(f"packed must be pack_weight's contiguous float32 CPU [panels, K, {LANES}], got "
+                         f"{packed.dtype} {tuple(packed.shape)} on {packed.device}")
     panels, k, _ = packed.shape
     if x.shape[-1] != k or not (panels - 1) * LANES < n <= panels * LANES:
         raise ValueError(f"x [..., {x.shape[-1]}] and n={n} do not fit panels [{panels}, {k}, {LANES}]")
-    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
-        raise ValueError(f"bias must be a contiguous float32 [{n}], got {bias.dtype} {tuple(bias.shape)}")
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()
+                             or not bias.is_cpu):
+        raise ValueError(f"bias must be a contiguous float32 CPU [{n}], got {bias.dtype} {tuple(bias.shape)} "
+                         f"on {bias.device}")
     return gemm_f32_unchecked(x, packed, n, bias)
 
 

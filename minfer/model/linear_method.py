@@ -222,7 +222,7 @@ class PanelLinearMethod(UnquantizedLinearMethod):
     def weight_rows(self, layer: "Linear", ids: torch.Tensor) -> torch.Tensor:
         from minfer.kernels.gemm_f32_cpu import unpack_rows
 
-        return unpack_rows(layer.weight, ids)
+        return unpack_rows(layer.weight, ids, layer.out_features)
 
 
 class HybridLinearMethod(UnquantizedLinearMethod):

@@ -50,7 +50,7 @@ void panel_rows(float* out, int64_t out_stride, const float* xt, const float* pa
   for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     _mm_prefetch((const char*)(panel + (k + kPrefetchLines) * kLanes), _MM_HINT_T0);
-    const __m512 w = _mm512_load_ps(panel + k * kLanes);
+    const __m512 w = _mm512_loadu_ps(panel + k * kLanes);  // loadu: same speed aligned, safe if not
     const float* xk = xt + k * MR;
     for (int m = 0; m < MR; ++m) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xk[m]), w, acc[m]);
   }
@@ -64,7 +64,7 @@ void panel_rows(float* out, int64_t out_stride, const float* xt, const float* pa
   for (int m = 0; m < MR; ++m) lo[m] = hi[m] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     _mm_prefetch((const char*)(panel + (k + kPrefetchLines) * kLanes), _MM_HINT_T0);
-    const __m256 wl = _mm256_load_ps(panel + k * kLanes), wh = _mm256_load_ps(panel + k * kLanes + 8);
+    const __m256 wl = _mm256_loadu_ps(panel + k * kLanes), wh = _mm256_loadu_ps(panel + k * kLanes + 8);
     const float* xk = xt + k * MR;
     for (int m = 0; m < MR; ++m) {
       const __m256 xv = _mm256_broadcast_ss(xk + m);
