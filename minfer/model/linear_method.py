@@ -30,7 +30,7 @@ The unquantized methods here are the CPU weight layouts that chapter 1 §1.7 mea
 - `"panels"` (float32): `[ceil(out/16), in, 16]`, run by minfer's own few-row kernel
   (`minfer.kernels.gemm_f32_cpu`): each 64-byte line of weights feeds the FMAs of up to 16 rows while the
   next lines are prefetched, so a decode step of 1-16 rows streams the weights once at close to the memory's
-  rate (chapter 9 §9.2.6: a 16-row step's linears 31 ms against oneDNN's 40, one row 23 ms against 36).
+  rate (chapter 9 §9.2.6: a 16-row step's linears 34 ms against oneDNN's 42, one row 20 ms against 33).
 - `"hybrid"` (the default for float32 and bfloat16 on a CPU with oneDNN): two copies, a few-row one ("panels"
   for float32 where its kernel builds, else "split") for up to 16 rows (one for "split"), and "onednn" for
   more. It stores the weights twice (2 x 540 MB for SmolLM2 in float32), the price of the fastest product at
@@ -205,7 +205,7 @@ class PanelLinearMethod(UnquantizedLinearMethod):
     kernel of `minfer.kernels.gemm_f32_cpu` (for any number of rows, but built for up to `max_rows`)."""
 
     name = "panels"
-    max_rows = 16  # rows it beats oneDNN at (a 16-row decode step's linears 31 ms against 40; 24-32 rows level)
+    max_rows = 16  # the rows measured in the engine (a 16-row step's linears 34 ms against oneDNN's 42, §9.2.6)
 
     def process_weights_after_loading(self, layer: "Linear") -> None:
         from minfer.kernels.gemm_f32_cpu import gemm_f32_available, pack_weight
