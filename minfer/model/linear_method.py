@@ -47,6 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minfer.kernels.gemm_f32_cpu import gemm_f32_available, gemm_f32_unchecked, pack_weight, unpack_rows
+
 if TYPE_CHECKING:
     from minfer.model.layers import Linear
 
@@ -208,20 +210,14 @@ class PanelLinearMethod(UnquantizedLinearMethod):
     max_rows = 16  # the rows measured in the engine (a 16-row step's linears 34 ms against oneDNN's 42, §9.2.6)
 
     def process_weights_after_loading(self, layer: "Linear") -> None:
-        from minfer.kernels.gemm_f32_cpu import gemm_f32_available, pack_weight
-
         if layer.weight.dtype != torch.float32 or not gemm_f32_available():
             raise ValueError(f"the {self.name} layout needs a float32 weight and the C++ kernel built here")
         layer.weight = nn.Parameter(pack_weight(layer.weight.data), requires_grad=False)
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
-        from minfer.kernels.gemm_f32_cpu import gemm_f32_unchecked
-
         return gemm_f32_unchecked(x, layer.weight, layer.out_features, layer.bias)
 
     def weight_rows(self, layer: "Linear", ids: torch.Tensor) -> torch.Tensor:
-        from minfer.kernels.gemm_f32_cpu import unpack_rows
-
         return unpack_rows(layer.weight, ids, layer.out_features)
 
 
@@ -234,8 +230,6 @@ class HybridLinearMethod(UnquantizedLinearMethod):
 
     def process_weights_after_loading(self, layer: "Linear") -> None:
         layer.packed = _onednn_pack(layer, self.name)
-        from minfer.kernels.gemm_f32_cpu import gemm_f32_available
-
         panels = layer.weight.dtype == torch.float32 and gemm_f32_available()
         layer.few_rows = PanelLinearMethod() if panels else SplitLinearMethod()
         layer.few_rows.process_weights_after_loading(layer)

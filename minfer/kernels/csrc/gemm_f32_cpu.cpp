@@ -115,8 +115,6 @@ extern "C" {
 
 const char* minfer_gemm_f32_isa() { return MINFER_GEMM_ISA; }
 
-int64_t minfer_gemm_f32_rows_per_pass() { return kRowsPerPass; }
-
 // Scratch for the transposed rows: K * M floats (the caller's buffer, so that a call allocates nothing).
 void minfer_gemm_f32(float* out, const float* x, const float* packed, const float* bias, int64_t M, int64_t N,
                      int64_t K, int64_t x_stride, int64_t out_stride, float* xt_scratch, int num_threads) {
