@@ -150,7 +150,7 @@ class MultiprocExecutor:
             self._accept(listener)
             for conn in self._conns.values():
                 conn.send((args, init_method))
-            init_parallel(tp, pp, 0, init_method)
+            init_parallel(tp, pp, 0, init_method, device=args.device)
             self.driver_worker = Worker(args)
             self._gather("ready")
         except BaseException:
@@ -373,7 +373,8 @@ def worker_loop(args: EngineArgs | None, rank: int, init_method: str | None, con
     received_args, received_init = conn.recv()
     args, init_method = args or received_args, init_method or received_init
     try:
-        init_parallel(args.tensor_parallel_size, args.pipeline_parallel_size, rank, init_method)
+        init_parallel(args.tensor_parallel_size, args.pipeline_parallel_size, rank, init_method,
+                      device=args.device)
         worker = Worker(args)
     except Exception as exc:  # noqa: BLE001 - reported to the driver, which raises it
         conn.send(("error", exc))

@@ -32,7 +32,7 @@ from minfer.attention.grouped import GroupedBackend, hybrid_layout, stacked_bloc
 from minfer.model.loader import load_model
 from minfer.parallel.parallel_state import get_parallel_state
 from minfer.parallel.pipeline import recv_from_prev_stage, send_to_next_stage, split_micro_batches, stage_layers
-from minfer.parallel.timeline import TimelineRecorder
+from minfer.parallel.timeline import TimelineRecorder, device_clock
 from minfer.sampling import Sampler
 
 if TYPE_CHECKING:
@@ -273,9 +273,9 @@ class Worker:
             inter = None
             if not st.is_first_stage:
                 inter = recv_from_prev_stage((2, ids.numel(), self.config.hidden_size), self.dtype)
-            t0 = time.perf_counter()
+            t0 = device_clock(self.device)  # synchronizes on CUDA: the interval is the kernels' execution
             out = self.model(ids, ctx, inter)
-            self.timeline.record(step, st.pp_rank, st.tp_rank, i, t0, time.perf_counter(), ids.numel())
+            self.timeline.record(step, st.pp_rank, st.tp_rank, i, t0, device_clock(self.device), ids.numel())
             if not st.is_last_stage:
                 sends.append((send_to_next_stage(out), out))  # keep `out` alive until the send is done
                 continue

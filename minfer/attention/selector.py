@@ -3,7 +3,8 @@
     "torch"   PagedTorchBackend   plain torch, any device and dtype (the reference)
     "cpu"     CpuPagedBackend     the C++ decode kernel; float32 or bfloat16 on a CPU; an error where it cannot build
     "triton"  TritonBackend       FlashAttention + paged flash-decoding kernels (CUDA, or Triton's interpreter)
-    "auto"    "cpu" for a float32 or bfloat16 model on a CPU whose pool is float32, bfloat16, int8 or fp8, when
+    "auto"    "triton" on CUDA (unless the pool is cast: 16-bit K/V under a float32 model, which it refuses);
+              "cpu" for a float32 or bfloat16 model on a CPU whose pool is float32, bfloat16, int8 or fp8, when
               its kernel builds (else "torch", with one warning); "torch" everywhere else
 
 A quantized pool (`kv_cache_dtype` int8 / fp8, `minfer.attention.kv_quant`) is read by every backend ("triton"
@@ -36,6 +37,9 @@ def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype,
         raise ValueError(f"attention_backend must be one of {', '.join(map(repr, ATTENTION_BACKENDS))}, got {name!r}")
     if name == "auto":
         kv_dtype = dtype if kv_dtype is None else kv_dtype
+        if device.type == "cuda":
+            cast = kv_dtype.is_floating_point and kv_dtype.itemsize > 1 and kv_dtype != dtype
+            return "torch" if cast else "triton"
         kernel = device.type == "cpu" and dtype in KERNEL_MODEL_DTYPES and kv_dtype in KERNEL_POOL_DTYPES
         return "cpu" if kernel else "torch"
     return name

@@ -18,7 +18,7 @@ from typing import Iterable, Iterator
 import torch
 from tqdm.auto import tqdm
 
-from minfer.config import DEFAULT_MODEL, MODEL_DTYPES, ModelConfig, torch_dtype
+from minfer.config import DEFAULT_MODEL, MODEL_DTYPES, ModelConfig, default_device, torch_dtype
 from minfer.model.gguf import load_gguf, load_gguf_blocks
 from minfer.model.layers import BuildOptions, process_weights_after_loading
 from minfer.model.linear_method import LinearMethodBase, default_linear_method, default_weight_loader
@@ -305,7 +305,7 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
         ValueError when `max_model_len` exceeds what the model was trained for, for a bad quantization
         method or config (a group size that does not divide a layer), or "gguf" with a model that is no GGUF.
     """
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(device or default_device())
     source = source or resolve_model(name)
     if quantization == "gguf":
         if source.kind != "gguf":

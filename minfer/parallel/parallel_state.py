@@ -9,24 +9,32 @@ states to the rank with the same `tp_rank` in the next stage.
 
 Until `init_parallel` runs, the state is one process (tp = pp = 1) and every collective here is the
 identity, so the parallel layers of `minfer.parallel.layers` are the plain layers in a single process.
-Collectives go through torch.distributed: gloo on a CPU, NCCL on CUDA.
+Collectives go through torch.distributed: NCCL when this machine has a GPU per rank, else gloo on the CPU
+(`place_rank`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
-import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from minfer.parallel.timeline import device_clock
+
+logger = logging.getLogger("minfer.parallel")
+
 
 @dataclass
 class CommStats:
     """What the tensor-parallel collectives of this process cost, summed since the last `reset`
-    (`python -m minfer.bench parallel` reads it). Seconds of wall clock, bytes of one rank's message."""
+    (`python -m minfer.bench parallel` reads it). Seconds of wall clock, bytes of one rank's message. On
+    CUDA the clock is read after a device synchronize on both sides (`device_clock`), so a collective's
+    seconds are its execution, with the wait for the slowest rank, not the launch of an NCCL kernel; that
+    costs two host-device round trips per collective, a price paid only with tp > 1."""
 
     all_reduce_calls: int = 0
     all_reduce_bytes: int = 0
@@ -91,27 +99,68 @@ def timeout_s() -> float:
     return float(os.environ.get("MINFER_DIST_TIMEOUT_S", "120"))
 
 
+def place_rank(world: int, rank: int, backend: str | None = None, local_rank: int | None = None,
+               device: str | None = None) -> tuple[str, torch.device]:
+    """Which collective backend and which device rank `rank` of a `world`-rank job uses (vLLM's worker puts
+    rank i on `cuda:local_rank`, NCCL between them).
+
+    NCCL on `cuda:local_rank` only when CUDA has a device for every rank of this machine: `local_rank` defaults
+    to env `LOCAL_RANK` (torchrun) else `rank`, the ranks of this machine to env `LOCAL_WORLD_SIZE` else
+    `world`. Otherwise gloo with every rank on the CPU, said in one log line: two ranks sharing one GPU would
+    each load the whole shard there and NCCL refuses two ranks on one device.
+
+    Args:
+        backend: "gloo", "nccl" or None (choose as above).
+        device: what the user asked for (`EngineArgs.device`): None (choose), "cpu" (gloo on the CPU) or
+            "cuda"/"cuda:N" (insist on NCCL; the rank's device is still `cuda:local_rank`).
+
+    Raises:
+        ValueError: CUDA asked for (backend "nccl" or a cuda `device`) where there is no CUDA device for this
+            rank, naming the counts; or an unknown backend.
+    """
+    if backend not in (None, "gloo", "nccl"):
+        raise ValueError(f"backend must be None, 'gloo' or 'nccl', got {backend!r}")
+    local = int(os.environ.get("LOCAL_RANK", rank)) if local_rank is None else local_rank
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    wants_cuda = backend == "nccl" or (device is not None and str(device).startswith("cuda"))
+    if backend == "gloo" or str(device) == "cpu":
+        if wants_cuda:
+            raise ValueError(f"backend={backend!r} with device={device!r}: NCCL and CUDA go together, gloo here "
+                             "runs on the CPU")
+        return "gloo", torch.device("cpu")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count >= local_world and local < count:
+        return "nccl", torch.device("cuda", local)
+    why = (f"{count} CUDA device(s) for {local_world} rank(s) on this machine (rank {rank} would use cuda:{local})"
+           if count else "no CUDA device")
+    if wants_cuda:
+        raise ValueError(f"tensor/pipeline parallelism on CUDA needs one GPU per rank: {why}. Use fewer ranks "
+                         "(tensor_parallel_size x pipeline_parallel_size), or device='cpu' to run them on the CPU")
+    if count:  # there is CUDA, but not enough of it: say why the job runs on the CPU
+        logger.warning("%s: the %d ranks use gloo on the CPU", why, world)
+    return "gloo", torch.device("cpu")
+
+
 def init_parallel(tp_size: int, pp_size: int, rank: int, init_method: str, backend: str | None = None,
-                  local_rank: int | None = None) -> ParallelState:
+                  local_rank: int | None = None, device: str | None = None) -> ParallelState:
     """Join the job: `torch.distributed.init_process_group` over `tp_size * pp_size` ranks at `init_method`
     ("tcp://host:port" or "env://"), then one TP group per stage (every rank creates every group, in the
     same order, as torch.distributed requires).
 
     Args:
-        backend: "gloo" or "nccl"; default NCCL when CUDA is available, else gloo.
-        local_rank: the CUDA device index on this machine (default `rank`).
+        backend, local_rank, device: where this rank runs, see `place_rank` (default: NCCL on
+            `cuda:local_rank` when this machine has a GPU per rank, else gloo on the CPU).
 
     Raises:
-        ValueError: rank outside the world. RuntimeError: from torch.distributed when the others never come.
+        ValueError: rank outside the world; CUDA asked for without a GPU per rank (`place_rank`).
+        RuntimeError: from torch.distributed when the others never come.
     """
     global _STATE
     world = tp_size * pp_size
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} outside a world of {world} (tp {tp_size} x pp {pp_size})")
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    device = torch.device("cpu")
-    if backend == "nccl":
-        device = torch.device("cuda", rank if local_rank is None else local_rank)
+    backend, device = place_rank(world, rank, backend, local_rank, device)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method=init_method, world_size=world, rank=rank,
@@ -165,9 +214,9 @@ def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     st = _STATE
     if st.tp_size == 1:
         return x
-    t0 = time.perf_counter()
+    t0 = device_clock(x.device)
     dist.all_reduce(x, group=st.tp_group)
-    st.comm.all_reduce_s += time.perf_counter() - t0
+    st.comm.all_reduce_s += device_clock(x.device) - t0
     st.comm.all_reduce_calls += 1
     st.comm.all_reduce_bytes += x.numel() * x.element_size()
     return x
@@ -178,11 +227,11 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
     st = _STATE
     if st.tp_size == 1:
         return x
-    t0 = time.perf_counter()
+    t0 = device_clock(x.device)
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(st.tp_size)]
     dist.all_gather(parts, x, group=st.tp_group)
-    st.comm.all_gather_s += time.perf_counter() - t0
+    st.comm.all_gather_s += device_clock(x.device) - t0
     st.comm.all_gather_calls += 1
     st.comm.all_gather_bytes += x.numel() * x.element_size()
     return torch.cat(parts, dim=dim)

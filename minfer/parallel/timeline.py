@@ -1,8 +1,11 @@
 """When each pipeline stage really ran: the per-stage start and end of every micro-batch forward, from
 `time.perf_counter()` in each rank's own process (CLOCK_MONOTONIC on Linux: one clock for every process of a
 machine, so the ranks' intervals line up; across machines they would not). Not a simulation: the bubble
-drawn and measured here is the time a stage had no forward to run.
+drawn and measured here is the time a stage had no forward to run. On CUDA a forward returns once its kernels
+are queued, so the clock is read only after `torch.cuda.synchronize` (`device_clock`): the intervals are the
+kernels' execution, not their launch.
 
+    device_clock(device)           the clock both read: perf_counter, after the device's queued work is done
     TimelineRecorder.record(...)   called by `Worker.execute_parallel` around each forward
     bubble_fraction(events)        idle share of the stages' time, per step, from the intervals
     gpipe_bubble(p, m)             the formula (p - 1) / (m + p - 1) (GPipe, arXiv:1811.06965)
@@ -11,12 +14,26 @@ drawn and measured here is the time a stage had no forward to run.
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
+
+import torch
+
+
+def device_clock(device: torch.device | str | None = None) -> float:
+    """`time.perf_counter()` (seconds) once every kernel queued on `device` has finished: on CUDA it first
+    waits with `torch.cuda.synchronize(device)`, so an interval between two readings is execution time, not
+    launch time. On a CPU (or None) the clock alone. Inside a CUDA-graph capture (where a synchronize is an
+    error) the clock alone too: nothing executes while a graph is captured."""
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 @dataclass(frozen=True)
 class StageEvent:
-    """One micro-batch forward on one rank. `start`/`end`: seconds of `time.perf_counter()`."""
+    """One micro-batch forward on one rank. `start`/`end`: seconds of `device_clock` (`time.perf_counter()`)."""
 
     step: int
     stage: int
