@@ -137,7 +137,10 @@ class RotaryEmbedding(nn.Module):
                                                self.max_position_embeddings, seq_len=longest)
                 table = self._table(inv_freq.to(positions.device), longest)
                 return table[0][positions], table[1][positions]
-        if positions.numel() and int(positions.max()) >= self.cos_sin.shape[1]:
+        # Checked on the host, except inside a CUDA-graph capture (a host read is an error there; the captured
+        # decode step's positions come from the scheduler, below max_model_len, which sized this table).
+        capturing = positions.is_cuda and torch.cuda.is_current_stream_capturing()
+        if positions.numel() and not capturing and int(positions.max()) >= self.cos_sin.shape[1]:
             raise ValueError(f"position {int(positions.max())} beyond the RoPE table ({self.cos_sin.shape[1]})")
         return self.cos_sin[0][positions], self.cos_sin[1][positions]
 
