@@ -1,32 +1,32 @@
-"""GPU check of minfer's Triton kernels (article §4): tests, then prefill / decode / end-to-end numbers.
+"""The GPU check (issue 31): minfer's Triton kernels, the engine and CUDA graphs, in one run of at most 8 minutes.
 
-    python benchmarks/gpu_check.py            # on a CUDA machine, about 5 minutes
-    python benchmarks/gpu_check.py --quick    # fewer sizes
+    python benchmarks/gpu_check.py              # on a CUDA machine (TP=1, one GPU)
+    python benchmarks/gpu_check.py --quick      # fewer sizes
+    python benchmarks/gpu_check.py --dry-run    # on a CPU: every code path on tiny shapes, Triton's interpreter
 
-Steps:
-  1. pytest on tests/test_flash_attention.py, tests/test_paged_decode.py, tests/test_fused_kernels.py
-     (with MINFER_AUTOTUNE=0 so that every kernel variant compiles once with a fixed tile).
-  2. Prefill attention, bf16, head_dim 128, causal, 32 heads: TFLOP/s of minfer's flash_attn_varlen vs
-     torch SDPA (flash backend) vs naive attention (materialized scores), over sequence lengths.
-     FLOPs counted as 4 * B * H * L^2 * D / 2 (two matmuls, half of the matrix because causal).
-  3. Paged decode attention, bf16, 32 query heads / 8 KV heads (Llama-3-8B shape), block size 16:
-     achieved bandwidth = bytes of K and V read / time, vs the device's peak HBM bandwidth, over context
-     length and batch; torch SDPA on contiguous (unpaged) K/V as a baseline.
-  4. End to end (guarded: the engine may not be ready): decode tokens/s of
-     minfer.LLM(model="smollm2-135m-instruct", attention_backend=...) for "torch" and "triton", and "triton"
-     with quantization="int4" (the W4A16 kernel), without and with kv_cache_dtype="int8".
-  5. W4A16 (chapter 5), perf_report style: minfer's Triton int4 matmul (`minfer.kernels.w4a16`, group 64 and
-     128) vs bf16 torch.matmul and vs the dequantize-then-matmul route (expand the codes to bf16, then
-     torch.matmul), on Llama-3-8B's 4096 x 4096 and 14336 x 4096 shapes, over M = 1 ... 256 tokens:
-     TFLOP/s (2 M N K / time) and GB/s of weight bytes read. The claim to check: at decode sizes (M <= 16) the
-     kernel is bound by its 0.5 + 4/G bytes per weight and beats bf16's 2.
-  6. Paged decode over a quantized KV cache (chapter 5 §5.10): the step-3 shape with int8 / fp8_e4m3 codes
-     and per-token scales vs the bf16 cache: time and effective bandwidth (bytes of codes + scales read).
+Parts (each a key of the JSON; a part that fails records its error and the run goes on):
+  tests         pytest on the kernel tests (TEST_FILES), MINFER_AUTOTUNE=0 so each variant compiles once.
+  prefill       attention, causal, d = 128, 32 heads, bf16: minfer's flash_attn_varlen vs torch SDPA with the
+                flash backend vs naive attention (materialized scores); TFLOP/s counted as 4 B H L^2 D / 2.
+  decode        paged decode, 32 query / 8 KV heads (Llama-3-8B), block 16: bytes of K and V read / time vs the
+                device's peak HBM bandwidth (PEAK_BW); torch SDPA over contiguous K/V as a baseline.
+  w4a16         chapter 5's int4 matmul vs bf16 torch.matmul vs dequantize-then-matmul, Llama-3-8B shapes.
+  decode_kv_quant  paged decode over int8 / fp8_e4m3 codes with per-token scales vs the bf16 cache.
+  end_to_end    SmolLM2-135M (the GGUF loaded as bf16) through `LLM`: the torch and Triton attention backends,
+                each eager and with CUDA graphs (`enforce_eager=False`), plus the Triton backend with int4
+                weights and with an int8 KV cache; decode tokens/s and whether the greedy tokens equal the
+                torch backend's.
+  cuda_graphs   the decode step of the Triton engine's model, eager vs replayed from `CudaGraphRunner`
+                (minfer/cuda_graphs.py) at batch 1, 8, 32: ms per step, and replay == eager (greedy token).
 
-Writes assets/benchmarks/gpu_check.json and prints the targets:
-  prefill (bf16, d=128, causal, L=4096) >= 0.7x torch flash TFLOP/s;
-  paged decode >= 50% of peak HBM bandwidth at 32 sequences x 4096 context.
-Exits with status 2 and a message when there is no CUDA device.
+Writes assets/benchmarks/gpu_check.json and assets/figures/gpu_check_*.png, and prints the targets (reported
+against, not tuned to): prefill >= 0.8x SDPA-flash at L = 4096; paged decode >= 60% of peak HBM bandwidth at
+32 x 4096; CUDA-graph decode faster than eager at batch 1.
+
+--dry-run runs every part on tiny shapes on the CPU under TRITON_INTERPRET=1 (float32: the interpreter computes
+in numpy, which has no bfloat16; the end-to-end rows on a tiny random Llama), so a typo costs no GPU minutes.
+Its times mean nothing; what CUDA alone can do (SDPA's flash backend, capturing graphs) is skipped with a note.
+Without --dry-run and without CUDA it exits with status 2.
 """
 
 from __future__ import annotations
@@ -44,18 +44,77 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
-
 TEST_FILES = ["tests/test_flash_attention.py", "tests/test_paged_decode.py", "tests/test_fused_kernels.py",
-              "tests/test_w4a16.py", "tests/test_triton_kv_quant.py"]
+              "tests/test_w4a16.py", "tests/test_triton_kv_quant.py", "tests/test_triton_backend.py",
+              "tests/test_cuda_graphs.py"]
 OUT_JSON = ROOT / "assets" / "benchmarks" / "gpu_check.json"
+FIG_DIR = ROOT / "assets" / "figures"
 # Peak HBM bandwidth in bytes/s from the vendors' data sheets, matched on the device name.
 PEAK_BW = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 PCIe": 2.0e12, "H100": 3.35e12, "A100-SXM4-80GB": 2.039e12,
            "A100 80GB": 1.935e12, "A100": 1.555e12, "L40S": 0.864e12, "A10G": 0.6e12, "RTX 4090": 1.008e12}
+TARGETS = {"prefill_4k_ratio_vs_torch_flash": 0.8, "decode_32x4k_frac_of_peak_bw": 0.6,
+           "cuda_graph_decode_speedup_b1": 1.0}
+
+# Sizes per mode. "full" and "quick" on a GPU; "dry" on the CPU under the interpreter.
+SIZES = {
+    "full": dict(prefill_lens=[512, 1024, 2048, 4096, 8192, 16384], prefill_tokens=16384, heads=32, kv_heads=8,
+                 head_dim=128, decode_ctx=[1024, 4096, 16384], decode_batch=[1, 8, 32, 64], w4a16_m=[1, 4, 16, 64, 256],
+                 w4a16_shapes=[(4096, 4096), (14336, 4096)], kvq_ctx=[4096], kvq_batch=[8, 32], e2e_prompts=32,
+                 e2e_tokens=128, max_model_len=2048, graph_batch=[1, 8, 32], graph_ctx=1024),
+    "quick": dict(prefill_lens=[1024, 4096], prefill_tokens=16384, heads=32, kv_heads=8, head_dim=128,
+                  decode_ctx=[4096], decode_batch=[1, 32], w4a16_m=[1, 16, 64], w4a16_shapes=[(14336, 4096)],
+                  kvq_ctx=[4096], kvq_batch=[32], e2e_prompts=16, e2e_tokens=64, max_model_len=2048, graph_batch=[1, 32],
+                  graph_ctx=1024),
+    "dry": dict(prefill_lens=[16, 32], prefill_tokens=32, heads=4, kv_heads=2, head_dim=16, decode_ctx=[32],
+                decode_batch=[1, 2], w4a16_m=[1, 3], w4a16_shapes=[(64, 128)], kvq_ctx=[32], kvq_batch=[2],
+                e2e_prompts=2, e2e_tokens=2, max_model_len=64, graph_batch=[1, 2], graph_ctx=16),
+}
 
 
 def log(msg: str) -> None:
     print(msg, flush=True)
+
+
+class Run:
+    """Where this run computes: `dev` ("cuda", or "cpu" in a dry run), `dtype` (bf16, or float32 in a dry run)."""
+
+    def __init__(self, dry: bool):
+        import torch
+
+        self.dry = dry
+        self.dev = "cpu" if dry else "cuda"
+        self.dtype = torch.float32 if dry else torch.bfloat16
+
+    def gen(self, seed: int = 0):
+        import torch
+
+        return torch.Generator(device=self.dev).manual_seed(seed)
+
+    def bench_ms(self, fn) -> float:
+        """Milliseconds per call: triton's do_bench (CUDA events, median); in a dry run one timed call."""
+        if self.dry:
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e3
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=10, rep=40))
+
+    def sync(self) -> None:
+        import torch
+
+        if self.dev == "cuda":
+            torch.cuda.synchronize()
+
+    def free(self) -> None:
+        import torch
+
+        if self.dev == "cuda":
+            torch.cuda.empty_cache()
+
+
+def error(e: BaseException, n: int = 160) -> str:
+    return f"{type(e).__name__}: {str(e)[:n]}"
 
 
 def peak_bandwidth(name: str, override: float | None) -> float | None:
@@ -67,31 +126,34 @@ def peak_bandwidth(name: str, override: float | None) -> float | None:
     return None
 
 
-def run_tests(timeout: int) -> dict:
+# ---------------------------------------------------------------------------------------------------------------
+# The parts
+# ---------------------------------------------------------------------------------------------------------------
+
+def run_tests(timeout: int, dry: bool) -> dict:
+    """The kernel tests in a subprocess. A dry run only collects them (running them under the interpreter is
+    the CPU suite's job, not this script's)."""
     env = dict(os.environ, MINFER_AUTOTUNE="0")
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *(["--collect-only"] if dry else []),
+            *TEST_FILES]
     t0 = time.time()
     try:
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TEST_FILES],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         tail = (proc.stdout + proc.stderr).strip().splitlines()
-        summary = tail[-1] if tail else ""
-        ok = proc.returncode == 0
+        summary, ok = (tail[-1] if tail else ""), proc.returncode == 0
         if not ok:
             log("\n".join(tail[-40:]))
     except subprocess.TimeoutExpired:
         ok, summary = False, f"timed out after {timeout} s"
-    result = {"passed": ok, "summary": summary, "seconds": round(time.time() - t0, 1)}
+    result = {"passed": ok, "summary": summary, "seconds": round(time.time() - t0, 1), "collect_only": dry}
     log(f"[tests] {'PASS' if ok else 'FAIL'}: {summary} ({result['seconds']} s)")
     return result
 
 
-def bench_ms(fn) -> float:
-    from triton.testing import do_bench
-    return float(do_bench(fn, warmup=10, rep=40))
-
-
 def naive_attention(q, k, v, scale):
     """[B, H, L, D]; materializes the [B, H, L, L] scores (what FlashAttention avoids)."""
+    import torch
+
     L = q.shape[2]
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
     mask = torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1)
@@ -99,132 +161,152 @@ def naive_attention(q, k, v, scale):
     return torch.matmul(torch.softmax(s.float(), -1).to(q.dtype), v)
 
 
-def bench_prefill(seq_lens, heads=32, head_dim=128, tokens=16384) -> list[dict]:
+def bench_prefill(r: Run, sz: dict) -> list[dict]:
+    import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from minfer.kernels import flash_attn_varlen
+
+    heads, head_dim = sz["heads"], sz["head_dim"]
     rows = []
-    for L in seq_lens:
-        B = max(1, tokens // L)
-        g = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v = (torch.randn(B, heads, L, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
-                   for _ in range(3))
-        # packed varlen layout [B*L, H, D] for minfer
+    for L in sz["prefill_lens"]:
+        B = max(1, sz["prefill_tokens"] // L)
+        g = r.gen()
+        q, k, v = (torch.randn(B, heads, L, head_dim, device=r.dev, dtype=r.dtype, generator=g) for _ in range(3))
+        # the packed varlen layout [B*L, H, D] for minfer
         qp, kp, vp = (t.transpose(1, 2).reshape(B * L, heads, head_dim).contiguous() for t in (q, k, v))
-        cu = torch.arange(0, (B + 1) * L, L, dtype=torch.int32, device="cuda")
+        cu = torch.arange(0, (B + 1) * L, L, dtype=torch.int32, device=r.dev)
         scale = 1 / math.sqrt(head_dim)
         flops = 4 * B * heads * L * L * head_dim / 2
-        row = {"seq_len": L, "batch": B, "heads": heads, "head_dim": head_dim}
+        row = {"seq_len": L, "batch": B, "heads": heads, "head_dim": head_dim, "dtype": str(r.dtype)}
 
         def minfer_fn():
             return flash_attn_varlen(qp, kp, vp, cu, cu, L, L, causal=True)
 
+        # SDPA's flash backend is CUDA's; on the CPU (dry run) SDPA picks its own (its math path here).
+        backend = SDPBackend.FLASH_ATTENTION if r.dev == "cuda" else SDPBackend.MATH
+
         def sdpa_fn():
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            with sdpa_kernel(backend):
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
         for name, fn in (("minfer", minfer_fn), ("torch_flash", sdpa_fn),
                          ("naive", lambda: naive_attention(q, k, v, scale))):
             try:
-                ms = bench_ms(fn)
+                ms = r.bench_ms(fn)
                 row[f"{name}_ms"] = ms
                 row[f"{name}_tflops"] = flops / (ms * 1e-3) / 1e12
-            except Exception as e:  # naive attention runs out of memory at long L; SDPA may lack a backend
-                row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:120]}"
-                torch.cuda.empty_cache()
-        try:  # the benchmark is only meaningful if the kernel is right at this size too
+            except Exception as e:  # naive attention runs out of memory at long L
+                row[f"{name}_error"] = error(e)
+                r.free()
+        try:  # the speed only counts if the kernel is right at this size too
             ref = sdpa_fn().transpose(1, 2).reshape(B * L, heads, head_dim)
             row["max_abs_err_vs_sdpa"] = float((minfer_fn().float() - ref.float()).abs().max())
         except Exception as e:
-            row["check_error"] = str(e)[:120]
+            row["check_error"] = error(e)
         rows.append(row)
         log("[prefill] L={seq_len:6d} B={batch:3d}  minfer {m:7.1f}  torch-flash {t:7.1f}  naive {n:7.1f} TFLOP/s"
             .format(m=row.get("minfer_tflops", float("nan")), t=row.get("torch_flash_tflops", float("nan")),
                     n=row.get("naive_tflops", float("nan")), **row))
         del q, k, v, qp, kp, vp
-        torch.cuda.empty_cache()
+        r.free()
     return rows
 
 
-def bench_decode(contexts, batches, peak, heads=32, kv_heads=8, head_dim=128, block_size=16) -> list[dict]:
+def paged_inputs(r: Run, B: int, ctx: int, heads: int, kv_heads: int, head_dim: int, block_size: int = 16):
+    """Random K/V in B * ctx / block_size blocks handed out scattered (as after a while of serving)."""
+    import torch
+
+    blocks_per_seq = max(1, ctx // block_size)
+    num_blocks = B * blocks_per_seq
+    g = r.gen()
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device=r.dev, dtype=r.dtype, generator=g)
+    v_cache = torch.randn_like(k_cache)
+    block_table = torch.randperm(num_blocks, device=r.dev, generator=g).view(B, blocks_per_seq).int()
+    context_lens = torch.full((B,), ctx, dtype=torch.int32, device=r.dev)
+    q = torch.randn(B, heads, head_dim, device=r.dev, dtype=r.dtype, generator=g)
+    return q, k_cache, v_cache, block_table, context_lens
+
+
+def bench_decode(r: Run, sz: dict, peak: float | None, block_size: int = 16) -> list[dict]:
+    import torch
+
     from minfer.kernels import paged_attention_decode
+
+    heads, kv_heads, head_dim = sz["heads"], sz["kv_heads"], sz["head_dim"]
     rows = []
-    for B in batches:
-        for ctx in contexts:
-            blocks_per_seq = ctx // block_size
-            num_blocks = B * blocks_per_seq
-            g = torch.Generator(device="cuda").manual_seed(0)
-            k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16,
-                                  generator=g)
-            v_cache = torch.randn_like(k_cache)
-            # scattered blocks, as after a while of serving
-            block_table = torch.randperm(num_blocks, device="cuda", generator=g).view(B, blocks_per_seq).int()
-            context_lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
-            q = torch.randn(B, heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    for B in sz["decode_batch"]:
+        for ctx in sz["decode_ctx"]:
+            q, k_cache, v_cache, block_table, context_lens = paged_inputs(r, B, ctx, heads, kv_heads, head_dim,
+                                                                          block_size)
             kv_bytes = 2 * B * ctx * kv_heads * head_dim * k_cache.element_size()
             row = {"batch": B, "context": ctx, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
                    "block_size": block_size, "kv_bytes": kv_bytes}
+            kc = k_cache[block_table.long()].flatten(1, 2).transpose(1, 2)  # [B, KVH, ctx, D], contiguous K/V
+            vc = v_cache[block_table.long()].flatten(1, 2).transpose(1, 2)
+            qs = q[:, :, None, :]
             try:
-                ms = bench_ms(lambda: paged_attention_decode(q, k_cache, v_cache, block_table, context_lens))
-                row["minfer_ms"] = ms
-                row["minfer_bw"] = kv_bytes / (ms * 1e-3)
+                ms = r.bench_ms(lambda: paged_attention_decode(q, k_cache, v_cache, block_table, context_lens))
+                row.update(minfer_ms=ms, minfer_bw=kv_bytes / (ms * 1e-3))
                 if peak:
                     row["minfer_frac_of_peak"] = row["minfer_bw"] / peak
+                ref = torch.nn.functional.scaled_dot_product_attention(qs, kc, vc, enable_gqa=True)[:, :, 0]
+                out = paged_attention_decode(q, k_cache, v_cache, block_table, context_lens)
+                row["max_abs_err_vs_sdpa"] = float((out.float() - ref.float()).abs().max())
             except Exception as e:
-                row["minfer_error"] = f"{type(e).__name__}: {str(e)[:120]}"
+                row["minfer_error"] = error(e)
             try:  # baseline: SDPA over contiguous K/V (no paging), GQA without copying K/V
-                kc = k_cache[block_table.long()].flatten(1, 2).transpose(1, 2)  # [B, KVH, ctx, D]
-                vc = v_cache[block_table.long()].flatten(1, 2).transpose(1, 2)
-                qs = q[:, :, None, :]
-                ms = bench_ms(lambda: torch.nn.functional.scaled_dot_product_attention(qs, kc, vc, enable_gqa=True))
-                row["torch_sdpa_contiguous_ms"] = ms
-                row["torch_sdpa_contiguous_bw"] = kv_bytes / (ms * 1e-3)
-                del kc, vc
+                ms = r.bench_ms(lambda: torch.nn.functional.scaled_dot_product_attention(qs, kc, vc, enable_gqa=True))
+                row.update(torch_sdpa_contiguous_ms=ms, torch_sdpa_contiguous_bw=kv_bytes / (ms * 1e-3))
             except Exception as e:
-                row["torch_error"] = f"{type(e).__name__}: {str(e)[:120]}"
+                row["torch_error"] = error(e)
             rows.append(row)
             frac = row.get("minfer_frac_of_peak")
             log(f"[decode] B={B:3d} ctx={ctx:6d}  minfer {row.get('minfer_bw', float('nan')) / 1e12:5.2f} TB/s"
                 + (f" ({100 * frac:4.1f}% of peak)" if frac else "")
                 + f"  torch-sdpa(contiguous) {row.get('torch_sdpa_contiguous_bw', float('nan')) / 1e12:5.2f} TB/s")
-            del k_cache, v_cache
-            torch.cuda.empty_cache()
+            del k_cache, v_cache, kc, vc
+            r.free()
     return rows
 
 
-def bench_w4a16(ms_tokens, shapes=((4096, 4096), (14336, 4096)), group_sizes=(64, 128)) -> list[dict]:
-    """Part 5: y = x W^T for W [N, K], x [M, K] bf16; minfer's W4A16 kernel vs bf16 matmul vs dequantize + matmul."""
+def bench_w4a16(r: Run, sz: dict, group_sizes=(64, 128)) -> list[dict]:
+    """y = x W^T for W [N, K], x [M, K]: minfer's W4A16 kernel vs bf16 matmul vs dequantize + matmul."""
+    import torch
+
     from minfer.kernels.w4a16 import w4a16_matmul
     from minfer.quantization.int4 import dequantize_int4, pack_int4_blocked, quantize_int4
+
     rows = []
-    for n, k in shapes:
-        g_ = torch.Generator(device="cuda").manual_seed(0)
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g_) * 0.02
+    for n, k in sz["w4a16_shapes"]:
+        g_ = r.gen()
+        w = torch.randn(n, k, device=r.dev, dtype=r.dtype, generator=g_) * 0.02
         for gs in group_sizes:
             codes, scale, zero = quantize_int4(w.float(), gs)
             qweight = pack_int4_blocked(codes)
-            sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
-            w_bytes = qweight.numel() + sz.numel() * sz.element_size()
-            for m in ms_tokens:
-                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g_)
+            sz_ = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+            w_bytes = qweight.numel() + sz_.numel() * sz_.element_size()
+            for m in sz["w4a16_m"]:
+                x = torch.randn(m, k, device=r.dev, dtype=r.dtype, generator=g_)
                 flops = 2 * m * n * k
-                row = {"M": m, "N": n, "K": k, "group_size": gs, "int4_weight_bytes": w_bytes, "bf16_weight_bytes": 2 * n * k}
-                fns = {"minfer_w4a16": lambda: w4a16_matmul(x, qweight, sz, gs, True),
+                row = {"M": m, "N": n, "K": k, "group_size": gs, "int4_weight_bytes": w_bytes,
+                       "bf16_weight_bytes": 2 * n * k}
+                fns = {"minfer_w4a16": lambda: w4a16_matmul(x, qweight, sz_, gs, True),
                        "torch_bf16_matmul": lambda: x @ w.t(),
-                       "dequantize_then_matmul": lambda: x @ dequantize_int4(codes, scale, zero, torch.bfloat16).t()}
+                       "dequantize_then_matmul": lambda: x @ dequantize_int4(codes, scale, zero, r.dtype).t()}
                 for name, fn in fns.items():
                     try:
-                        ms = bench_ms(fn)
+                        ms = r.bench_ms(fn)
                         row[f"{name}_ms"] = ms
                         row[f"{name}_tflops"] = flops / (ms * 1e-3) / 1e12
                     except Exception as e:
-                        row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:120]}"
+                        row[f"{name}_error"] = error(e)
                 try:  # correctness on the real shape: against dequantize-then-matmul in float32
                     ref = x.float() @ dequantize_int4(codes, scale, zero, torch.bfloat16).float().t()
-                    row["max_rel_err"] = float((w4a16_matmul(x, qweight, sz, gs, True).float() - ref).abs().max()
+                    row["max_rel_err"] = float((w4a16_matmul(x, qweight, sz_, gs, True).float() - ref).abs().max()
                                                / ref.abs().max())
                 except Exception as e:
-                    row["check_error"] = f"{type(e).__name__}: {str(e)[:120]}"
+                    row["check_error"] = error(e)
                 if "minfer_w4a16_ms" in row:
                     row["minfer_weight_gbps"] = w_bytes / (row["minfer_w4a16_ms"] * 1e-3) / 1e9
                     if "torch_bf16_matmul_ms" in row:
@@ -232,155 +314,351 @@ def bench_w4a16(ms_tokens, shapes=((4096, 4096), (14336, 4096)), group_sizes=(64
                     if "dequantize_then_matmul_ms" in row:
                         row["speedup_vs_dequantize"] = row["dequantize_then_matmul_ms"] / row["minfer_w4a16_ms"]
                 rows.append(row)
-                log(f"[w4a16] {n}x{k} g{gs} M={m:4d}  minfer {row.get('minfer_w4a16_tflops', float('nan')):7.2f} TFLOP/s"
-                    f"  bf16 {row.get('torch_bf16_matmul_tflops', float('nan')):7.2f}  dequant+mm "
-                    f"{row.get('dequantize_then_matmul_tflops', float('nan')):7.2f}  x{row.get('speedup_vs_bf16', float('nan')):.2f}"
-                    f" vs bf16, err {row.get('max_rel_err', float('nan')):.1e}")
-            del codes, scale, zero, qweight, sz
+                log(f"[w4a16] {n}x{k} g{gs} M={m:4d}  minfer {row.get('minfer_w4a16_tflops', float('nan')):7.2f} "
+                    f"TFLOP/s  bf16 {row.get('torch_bf16_matmul_tflops', float('nan')):7.2f}  x"
+                    f"{row.get('speedup_vs_bf16', float('nan')):.2f} vs bf16, err {row.get('max_rel_err', float('nan')):.1e}")
+            del codes, scale, zero, qweight, sz_
         del w
-        torch.cuda.empty_cache()
+        r.free()
     return rows
 
 
-def bench_decode_kv_quant(contexts, batches, peak, heads=32, kv_heads=8, head_dim=128, block_size=16) -> list[dict]:
-    """Part 6: paged decode on a bf16 cache vs int8 / fp8_e4m3 codes with per-token float32 scales."""
+def bench_decode_kv_quant(r: Run, sz: dict, peak: float | None, block_size: int = 16) -> list[dict]:
+    """Paged decode on the model-dtype cache vs int8 / fp8_e4m3 codes with per-token float32 scales."""
     from minfer.attention.kv_quant import kv_cache_spec, quantize_kv
     from minfer.kernels import paged_attention_decode
+
     rows = []
-    for B in batches:
-        for ctx in contexts:
-            blocks_per_seq = ctx // block_size
-            num_blocks = B * blocks_per_seq
-            g_ = torch.Generator(device="cuda").manual_seed(0)
-            k16 = torch.randn(num_blocks, block_size, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=g_)
-            v16 = torch.randn_like(k16)
-            block_table = torch.randperm(num_blocks, device="cuda", generator=g_).view(B, blocks_per_seq).int()
-            context_lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
-            q = torch.randn(B, heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=g_)
+    for B in sz["kvq_batch"]:
+        for ctx in sz["kvq_ctx"]:
+            q, k16, v16, block_table, context_lens = paged_inputs(r, B, ctx, sz["heads"], sz["kv_heads"],
+                                                                  sz["head_dim"], block_size)
             ref = paged_attention_decode(q, k16, v16, block_table, context_lens)
-            for name in ("bfloat16", "int8", "fp8_e4m3"):
-                row = {"batch": B, "context": ctx, "kv_cache_dtype": name}
+            for name in ("model_dtype", "int8", "fp8_e4m3"):
+                row = {"batch": B, "context": ctx, "kv_cache_dtype": name if name != "model_dtype" else str(r.dtype)}
                 try:
-                    if name == "bfloat16":
+                    if name == "model_dtype":
                         args, kw = (k16, v16), {}
-                        kv_bytes = 2 * k16.numel() * 2
+                        kv_bytes = 2 * k16.numel() * k16.element_size()
                     else:
-                        spec = kv_cache_spec(name, torch.bfloat16)
+                        spec = kv_cache_spec(name, r.dtype)
                         kc, ks = quantize_kv(k16.flatten(0, 1), spec)
                         vc, vs = quantize_kv(v16.flatten(0, 1), spec)
                         args = (kc.view(k16.shape), vc.view(k16.shape))
                         kw = dict(k_scale=ks.view(k16.shape[:-1]), v_scale=vs.view(k16.shape[:-1]))
                         kv_bytes = 2 * (kc.numel() + ks.numel() * 4)
-                    ms = bench_ms(lambda: paged_attention_decode(q, *args, block_table, context_lens, **kw))
+                    ms = r.bench_ms(lambda: paged_attention_decode(q, *args, block_table, context_lens, **kw))
                     out = paged_attention_decode(q, *args, block_table, context_lens, **kw)
                     row.update(ms=ms, kv_bytes=kv_bytes, bw=kv_bytes / (ms * 1e-3),
-                               max_abs_diff_vs_bf16=float((out.float() - ref.float()).abs().max()))
+                               max_abs_diff_vs_unquantized=float((out.float() - ref.float()).abs().max()))
                     if peak:
                         row["frac_of_peak"] = row["bw"] / peak
                 except Exception as e:
-                    row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+                    row["error"] = error(e)
                 rows.append(row)
-                log(f"[decode-kvq] B={B:3d} ctx={ctx:6d} {name:9s} {row.get('ms', float('nan')):7.3f} ms  "
-                    f"{row.get('bw', float('nan')) / 1e12:5.2f} TB/s  |diff| {row.get('max_abs_diff_vs_bf16', float('nan')):.3f}")
-            del k16, v16
-            torch.cuda.empty_cache()
+                log(f"[decode-kvq] B={B:3d} ctx={ctx:6d} {row['kv_cache_dtype']:14s} {row.get('ms', float('nan')):7.3f} ms"
+                    f"  {row.get('bw', float('nan')) / 1e12:5.2f} TB/s  |diff| "
+                    f"{row.get('max_abs_diff_vs_unquantized', float('nan')):.3f}")
+            r.free()
     return rows
 
 
-def bench_end_to_end(num_prompts=32, max_tokens=128) -> dict:
-    """Decode tokens/s of the whole engine per attention backend; any failure is recorded, not raised."""
-    results = {}
-    # The last two: chapter 5's mix on the GPU (W4A16 Triton matmuls; + a quantized KV pool read by the kernels).
-    configs = {"torch": dict(attention_backend="torch"), "triton": dict(attention_backend="triton"),
+def e2e_configs(dry: bool) -> dict[str, dict]:
+    """The engine configurations of the end-to-end rows. Graph rows set enforce_eager=False; a backend whose
+    decode path cannot be captured (the torch reference) then runs eagerly, which its row says."""
+    configs = {"torch": dict(attention_backend="torch"), "torch+cuda_graphs": dict(attention_backend="torch",
+                                                                                    enforce_eager=False),
+               "triton": dict(attention_backend="triton"),
+               "triton+cuda_graphs": dict(attention_backend="triton", enforce_eager=False),
                "triton+int4": dict(attention_backend="triton", quantization="int4"),
                "triton+int4+kv_int8": dict(attention_backend="triton", quantization="int4", kv_cache_dtype="int8")}
-    for backend, kwargs in configs.items():
+    return configs
+
+
+def graphs_of(llm) -> dict:
+    """What the engine's worker captured, as far as this build says (`Worker.cuda_graphs`, a CudaGraphRunner,
+    once the engine wires it)."""
+    runner = getattr(llm.llm_engine.worker, "cuda_graphs", None)
+    if runner is None:
+        return {"captured_sizes": [], "note": "this engine build captures no graphs (no Worker.cuda_graphs)"}
+    return {"captured_sizes": runner.sizes, "why_not": runner.why_not}
+
+
+def bench_end_to_end(r: Run, sz: dict, model: str, graph_rows: list | None = None) -> dict:
+    """Decode tokens/s of the whole engine per configuration, the model in bf16 (float32 in a dry run); the
+    greedy tokens of each row against the torch row's. The Triton row also runs `bench_graph_decode` on its
+    model. Failures are recorded, not raised."""
+    import torch
+
+    from minfer import LLM, SamplingParams
+
+    results, reference = {}, None
+    prompts = [f"Write a short story about the number {i}." for i in range(sz["e2e_prompts"])]
+    if r.dry:  # the tiny random Llama's word-level vocabulary
+        prompts = [" ".join(f"w{3 + (i * 7 + j) % 60}" for j in range(6)) for i in range(sz["e2e_prompts"])]
+    params = SamplingParams(temperature=0.0, max_tokens=sz["e2e_tokens"], ignore_eos=True)
+    dtype = "bfloat16" if r.dtype == torch.bfloat16 else "float32"
+    for name, kwargs in e2e_configs(r.dry).items():
+        llm = None
         try:
-            from minfer import LLM, SamplingParams
-            llm = LLM(model="smollm2-135m-instruct", **kwargs)
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-            prompts = [f"Write a short story about the number {i}." for i in range(num_prompts)]
-            llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up / compile
-            torch.cuda.synchronize()
+            llm = LLM(model=model, dtype=dtype, seed=0, device=r.dev, max_model_len=sz["max_model_len"], **kwargs)
+            if not r.dry:  # compile and autotune before the clock starts
+                llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2))
+            r.sync()
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params)
-            torch.cuda.synchronize()
+            r.sync()
             dt = time.perf_counter() - t0
-            n = sum(len(o.outputs[0].token_ids) for o in outs)
-            results[backend] = {"prompts": num_prompts, "generated_tokens": n, "seconds": dt, "tokens_per_s": n / dt,
-                                "first_output": outs[0].outputs[0].text[:80]}
-            log(f"[e2e] {backend:6s}: {n} tokens in {dt:.2f} s = {n / dt:.0f} tok/s")
-            del llm
-            torch.cuda.empty_cache()
+            tokens = [o.outputs[0].token_ids for o in outs]
+            n = sum(len(t) for t in tokens)
+            row = {"config": kwargs, "dtype": dtype, "prompts": len(prompts), "generated_tokens": n, "seconds": dt,
+                   "tokens_per_s": n / dt, "first_output": outs[0].outputs[0].text[:80], **graphs_of(llm)}
+            if name == "torch":
+                reference = tokens
+            if reference is not None:
+                row["same_greedy_tokens_as_torch"] = sum(a == b for a, b in zip(tokens, reference)) / len(tokens)
+            results[name] = row
+            log(f"[e2e] {name:20s}: {n} tokens in {dt:.2f} s = {n / dt:.0f} tok/s, same tokens as torch: "
+                f"{row.get('same_greedy_tokens_as_torch', float('nan')):.0%}")
+            if name == "triton" and graph_rows is not None:
+                graph_rows.extend(bench_graph_decode(r, sz, llm))
         except Exception as e:
-            results[backend] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-            log(f"[e2e] {backend}: not measured ({type(e).__name__}: {str(e)[:200]})")
+            results[name] = {"config": kwargs, "error": error(e, 300)}
+            log(f"[e2e] {name}: not measured ({error(e, 200)})")
+        del llm
+        r.free()
     return results
 
 
-def main() -> int:
+def bench_graph_decode(r: Run, sz: dict, llm) -> list[dict]:
+    """The decode step of `llm`'s model over its KV pool: eager `model(ids, ctx)` against a replay of
+    `CudaGraphRunner`, for each batch size of `sz["graph_batch"]` at context `sz["graph_ctx"]`; the greedy
+    token of each row from both (they must agree). In a dry run (no CUDA) the runner covers nothing: the
+    eager rows run and the replay is skipped with its reason."""
+    import torch
+
+    from minfer.cuda_graphs import CudaGraphRunner
+    from minfer.attention import ForwardContext
+
+    worker = llm.llm_engine.worker
+    model, backend, bs = worker.model, worker.backend, worker.block_size
+    width = -(-sz["graph_ctx"] // bs)
+    batches = [b for b in sz["graph_batch"] if b * width <= worker.pool.num_blocks]
+    rows = []
+    with torch.inference_mode():
+        runner = CudaGraphRunner.build(model, backend, max_num_seqs=max(batches), max_blocks_per_seq=width)
+        for B in batches:
+            pos = sz["graph_ctx"] - 1
+            tables = torch.arange(B * width, dtype=torch.int32, device=r.dev).view(B, width)
+            ctx = ForwardContext(attn_backend=backend, positions=torch.full((B,), pos, device=r.dev),
+                                 slot_mapping=(tables[:, pos // bs].long() * bs + pos % bs),
+                                 block_tables=tables, context_lens=torch.full((B,), pos + 1, dtype=torch.int32,
+                                                                              device=r.dev),
+                                 logits_indices=torch.arange(B, device=r.dev))
+            ids = torch.randint(3, 50, (B,), device=r.dev, generator=r.gen(B))
+            row = {"batch": B, "context": sz["graph_ctx"], "captured_sizes": runner.sizes}
+            try:
+                row["eager_ms"] = r.bench_ms(lambda: model(ids, ctx))
+                want = model.compute_logits(model(ids, ctx)).argmax(-1)
+                if runner.sizes:
+                    row["graph_ms"] = r.bench_ms(lambda: runner.run(ids, ctx))
+                    got = model.compute_logits(runner.run(ids, ctx)).argmax(-1)
+                    row["speedup"] = row["eager_ms"] / row["graph_ms"]
+                    row["same_greedy_token"] = bool(torch.equal(got, want))
+                else:
+                    row["graph_skipped"] = runner.why_not
+            except Exception as e:
+                row["error"] = error(e, 300)
+            rows.append(row)
+            log(f"[graphs] B={B:3d} eager {row.get('eager_ms', float('nan')):8.3f} ms  graph "
+                f"{row.get('graph_ms', float('nan')):8.3f} ms  x{row.get('speedup', float('nan')):.2f}"
+                + (f"  (replay skipped: {row['graph_skipped']})" if "graph_skipped" in row else ""))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Targets and figures
+# ---------------------------------------------------------------------------------------------------------------
+
+def targets_of(report: dict) -> dict:
+    """Each target's measured value against its bound (TARGETS), where the run measured it."""
+    out = {}
+    p4k = next((x for x in report.get("prefill", []) if x["seq_len"] == 4096), None)
+    if p4k and "minfer_tflops" in p4k and "torch_flash_tflops" in p4k:
+        out["prefill_4k_ratio_vs_torch_flash"] = p4k["minfer_tflops"] / p4k["torch_flash_tflops"]
+    d = next((x for x in report.get("decode", []) if x["batch"] == 32 and x["context"] == 4096), None)
+    if d and "minfer_frac_of_peak" in d:
+        out["decode_32x4k_frac_of_peak_bw"] = d["minfer_frac_of_peak"]
+    g = next((x for x in report.get("cuda_graphs", []) if x["batch"] == 1 and "speedup" in x), None)
+    if g:
+        out["cuda_graph_decode_speedup_b1"] = g["speedup"]
+    return {k: {"value": v, "target": TARGETS[k], "met": v >= TARGETS[k] if k != "cuda_graph_decode_speedup_b1"
+                else v > TARGETS[k]} for k, v in out.items()}
+
+
+def write_figures(report: dict, fig_dir: pathlib.Path) -> list[str]:
+    """One PNG per part with numbers: prefill TFLOP/s, decode bandwidth, W4A16 speed-up, end-to-end tok/s,
+    CUDA-graph step times. Returns the paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    dev = report["device"]
+    written = []
+
+    def save(fig, name):
+        path = fig_dir / f"gpu_check_{name}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(str(path))
+
+    pre = [x for x in report.get("prefill", []) if "minfer_tflops" in x]
+    if pre:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for key, label in (("minfer_tflops", "minfer flash_attn_varlen"), ("torch_flash_tflops", "torch SDPA (flash)"),
+                           ("naive_tflops", "naive (materialized scores)")):
+            pts = [(x["seq_len"], x[key]) for x in pre if key in x]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=label)
+        ax.set(xscale="log", xlabel="sequence length L", ylabel="TFLOP/s", title=f"causal prefill attention, {dev}")
+        ax.legend()
+        save(fig, "prefill")
+    dec = [x for x in report.get("decode", []) if "minfer_bw" in x]
+    if dec:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for B in sorted({x["batch"] for x in dec}):
+            pts = [(x["context"], x["minfer_bw"] / 1e12) for x in dec if x["batch"] == B]
+            ax.plot(*zip(*pts), marker="o", label=f"batch {B}")
+        if report.get("peak_hbm_bytes_per_s"):
+            ax.axhline(report["peak_hbm_bytes_per_s"] / 1e12, color="k", ls="--", label="peak HBM")
+        ax.set(xscale="log", xlabel="context length", ylabel="TB/s of K and V read", title=f"paged decode, {dev}")
+        ax.legend()
+        save(fig, "decode")
+    w4 = [x for x in report.get("w4a16", []) if "speedup_vs_bf16" in x]
+    if w4:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for key in sorted({(x["N"], x["K"], x["group_size"]) for x in w4}):
+            pts = [(x["M"], x["speedup_vs_bf16"]) for x in w4 if (x["N"], x["K"], x["group_size"]) == key]
+            ax.plot(*zip(*pts), marker="o", label=f"{key[0]}x{key[1]}, group {key[2]}")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set(xscale="log", xlabel="tokens M", ylabel="speed-up vs bf16 matmul", title=f"W4A16 matmul, {dev}")
+        ax.legend()
+        save(fig, "w4a16")
+    e2e = {k: v for k, v in report.get("end_to_end", {}).items() if isinstance(v, dict) and "tokens_per_s" in v}
+    if e2e:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.barh(list(e2e), [v["tokens_per_s"] for v in e2e.values()])
+        ax.invert_yaxis()
+        ax.set(xlabel="decode tokens/s", title=f"SmolLM2-135M end to end, {dev}")
+        save(fig, "end_to_end")
+    gr = [x for x in report.get("cuda_graphs", []) if "eager_ms" in x]
+    if gr:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        xs = range(len(gr))
+        ax.bar([i - 0.2 for i in xs], [x["eager_ms"] for x in gr], width=0.4, label="eager")
+        ax.bar([i + 0.2 for i in xs], [x.get("graph_ms", 0) for x in gr], width=0.4, label="CUDA graph replay")
+        ax.set_xticks(list(xs), [f"batch {x['batch']}" for x in gr])
+        ax.set(ylabel="ms per decode step", title=f"decode step, eager vs CUDA graph, {dev}")
+        ax.legend()
+        save(fig, "cuda_graphs")
+    return written
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer sizes")
+    ap.add_argument("--dry-run", action="store_true", help="every code path on tiny shapes, on the CPU under "
+                    "TRITON_INTERPRET=1 (CUDA-only parts skipped with a note); times mean nothing")
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--skip-e2e", action="store_true")
+    ap.add_argument("--model", default=None, help="end-to-end model (default: SmolLM2's GGUF; a tiny random "
+                    "Llama in a dry run)")
     ap.add_argument("--peak-tbps", type=float, default=None, help="peak HBM bandwidth if the device is not known")
-    ap.add_argument("--test-timeout", type=int, default=240)
-    ap.add_argument("--out", default=str(OUT_JSON))
-    args = ap.parse_args()
+    ap.add_argument("--test-timeout", type=int, default=200)
+    ap.add_argument("--out", default=None, help=f"JSON path (default {OUT_JSON.relative_to(ROOT)}; a dry run "
+                    "writes only where told)")
+    ap.add_argument("--figures", default=None, help=f"figure folder (default {FIG_DIR.relative_to(ROOT)}, "
+                    "beside --out in a dry run)")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # before Triton is first imported (by minfer)
+        os.environ.setdefault("MINFER_DEVICE", "cpu")
 
-    if not torch.cuda.is_available():
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
         log("gpu_check.py needs a CUDA GPU; none is visible (torch.cuda.is_available() is False). "
-            "On a CPU, run the tests instead: pytest " + " ".join(TEST_FILES))
+            "On a CPU: python benchmarks/gpu_check.py --dry-run")
         return 2
-
     import triton
-    name = torch.cuda.get_device_name()
-    peak = peak_bandwidth(name, args.peak_tbps)
-    report = {"device": name, "torch": torch.__version__, "triton": triton.__version__,
-              "python": platform.python_version(), "peak_hbm_bytes_per_s": peak,
-              "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+    r = Run(args.dry_run)
+    sz = SIZES["dry" if args.dry_run else "quick" if args.quick else "full"]
+    name = "CPU (dry run, Triton interpreter)" if args.dry_run else torch.cuda.get_device_name()
+    peak = None if args.dry_run else peak_bandwidth(name, args.peak_tbps)
+    report = {"device": name, "dry_run": args.dry_run, "torch": torch.__version__, "triton": triton.__version__,
+              "python": platform.python_version(), "peak_hbm_bytes_per_s": peak, "dtype": str(r.dtype),
+              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "sizes": sz, "notes": []}
+    if args.dry_run:
+        report["notes"] += ["dry run: times mean nothing (one interpreted call each)",
+                            "SDPA's flash backend is CUDA-only: the torch rows use SDPA's math backend",
+                            "CUDA graphs are CUDA-only: the replay rows are skipped, the eager rows run"]
     log(f"device: {name}, peak HBM {peak / 1e12 if peak else float('nan'):.2f} TB/s, torch {torch.__version__}, "
         f"triton {triton.__version__}")
     t_start = time.time()
+    report["tests"] = run_tests(args.test_timeout, args.dry_run) if not args.skip_tests else {"skipped": True}
+    for part, fn in (("prefill", lambda: bench_prefill(r, sz)), ("decode", lambda: bench_decode(r, sz, peak)),
+                     ("w4a16", lambda: bench_w4a16(r, sz)),
+                     ("decode_kv_quant", lambda: bench_decode_kv_quant(r, sz, peak))):
+        try:
+            report[part] = fn()
+        except Exception as e:  # one broken part must not cost the others' numbers
+            report[part] = [{"error": error(e, 300)}]
+            log(f"[{part}] failed: {error(e, 300)}")
+    if args.skip_e2e:
+        report["end_to_end"], report["cuda_graphs"] = {"skipped": True}, []
+    else:
+        model = args.model
+        tmp = None
+        if model is None and args.dry_run:
+            import tempfile
 
-    report["tests"] = run_tests(args.test_timeout) if not args.skip_tests else {"skipped": True}
+            from minfer.bench.parallel import save_random_llama
 
-    seq_lens = [1024, 4096] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]
-    report["prefill"] = bench_prefill(seq_lens)
-    contexts = [4096] if args.quick else [1024, 4096, 16384]
-    batches = [32] if args.quick else [1, 8, 32, 64]
-    report["decode"] = bench_decode(contexts, batches, peak)
-    report["end_to_end"] = bench_end_to_end() if not args.skip_e2e else {"skipped": True}
-    report["w4a16"] = bench_w4a16([1, 16, 64] if args.quick else [1, 4, 16, 32, 64, 128, 256])
-    report["decode_kv_quant"] = bench_decode_kv_quant([4096], [32] if args.quick else [8, 32])
-
-    # Targets
-    targets = {}
-    p4k = next((r for r in report["prefill"] if r["seq_len"] == 4096), None)
-    if p4k and "minfer_tflops" in p4k and "torch_flash_tflops" in p4k:
-        ratio = p4k["minfer_tflops"] / p4k["torch_flash_tflops"]
-        targets["prefill_4k_ratio_vs_torch_flash"] = {"value": ratio, "target": 0.7, "met": ratio >= 0.7}
-    d = next((r for r in report["decode"] if r["batch"] == 32 and r["context"] == 4096), None)
-    if d and "minfer_frac_of_peak" in d:
-        targets["decode_32x4k_frac_of_peak_bw"] = {"value": d["minfer_frac_of_peak"], "target": 0.5,
-                                                   "met": d["minfer_frac_of_peak"] >= 0.5}
-    w = next((r for r in report["w4a16"] if r["M"] == 1 and r["N"] == 14336 and r["group_size"] == 128), None)
-    if w and "speedup_vs_bf16" in w:  # decode: 4.1 bits against 16 per weight; expect >= 2x (not 3.9x: scales, tails)
-        targets["w4a16_m1_speedup_vs_bf16"] = {"value": w["speedup_vs_bf16"], "target": 2.0,
-                                               "met": w["speedup_vs_bf16"] >= 2.0}
-    report["targets"] = targets
+            tmp = tempfile.TemporaryDirectory()
+            model = save_random_llama(pathlib.Path(tmp.name) / "llama", layers=2, hidden=64, heads=4, kv_heads=2,
+                                      intermediate=128, vocab=64, max_positions=512)
+        graph_rows: list = []
+        report["end_to_end"] = bench_end_to_end(r, sz, model or "smollm2-135m-instruct", graph_rows)
+        report["cuda_graphs"] = graph_rows
+        if tmp is not None:
+            tmp.cleanup()
+    report["targets"] = targets_of(report)
     report["seconds"] = round(time.time() - t_start, 1)
 
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    log(f"\nwrote {out}")
+    out = pathlib.Path(args.out) if args.out else (None if args.dry_run else OUT_JSON)
+    fig_dir = pathlib.Path(args.figures) if args.figures else (out.parent if args.dry_run and out else FIG_DIR)
+    if out is not None:
+        try:
+            report["figures"] = [str(pathlib.Path(p).relative_to(ROOT)) if pathlib.Path(p).is_relative_to(ROOT)
+                                 else p for p in write_figures(report, fig_dir)]
+        except Exception as e:
+            report["figures_error"] = error(e, 300)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        log(f"\nwrote {out}")
     log("targets:")
-    for key, t in targets.items():
-        log(f"  {key}: {t['value']:.3f} (target >= {t['target']}) {'MET' if t['met'] else 'NOT MET'}")
-    if not targets:
-        log("  (not computed: a benchmark failed, see the JSON)")
-    log(f"tests: {report['tests']}")
+    for key, t in report["targets"].items():
+        log(f"  {key}: {t['value']:.3f} (target {'>' if 'graph' in key else '>='} {t['target']}) "
+            f"{'MET' if t['met'] else 'NOT MET'}")
+    if not report["targets"]:
+        log("  (none computed" + (": a dry run" if args.dry_run else ": a part failed, see the JSON") + ")")
+    log(f"tests: {report['tests']}  ({report['seconds']} s)")
     return 0 if report["tests"].get("passed", True) else 1
 
 
