@@ -5,18 +5,18 @@
     python benchmarks/gpu_check.py --dry-run    # on a CPU: every code path on tiny shapes, Triton's interpreter
 
 Parts (each a key of the JSON; a part that fails records its error and the run goes on):
-  tests         pytest on the kernel tests (TEST_FILES), MINFER_AUTOTUNE=0 so each variant compiles once.
-  prefill       attention, causal, d = 128, 32 heads, bf16: minfer's flash_attn_varlen vs torch SDPA with the
+  1. tests      pytest on the kernel tests (TEST_FILES), MINFER_AUTOTUNE=0 so each variant compiles once.
+  2. prefill    attention, causal, d = 128, 32 heads, bf16: minfer's flash_attn_varlen vs torch SDPA with the
                 flash backend vs naive attention (materialized scores); TFLOP/s counted as 4 B H L^2 D / 2.
-  decode        paged decode, 32 query / 8 KV heads (Llama-3-8B), block 16: bytes of K and V read / time vs the
+  3. decode     paged decode, 32 query / 8 KV heads (Llama-3-8B), block 16: bytes of K and V read / time vs the
                 device's peak HBM bandwidth (PEAK_BW); torch SDPA over contiguous K/V as a baseline.
-  w4a16         chapter 5's int4 matmul vs bf16 torch.matmul vs dequantize-then-matmul, Llama-3-8B shapes.
-  decode_kv_quant  paged decode over int8 / fp8_e4m3 codes with per-token scales vs the bf16 cache.
-  end_to_end    SmolLM2-135M (the GGUF loaded as bf16) through `LLM`: the torch and Triton attention backends,
+  4. end_to_end SmolLM2-135M (the GGUF loaded as bf16) through `LLM`: the torch and Triton attention backends,
                 each eager and with CUDA graphs (`enforce_eager=False`), plus the Triton backend with int4
-                weights and with an int8 KV cache; decode tokens/s and whether the greedy tokens equal the
-                torch backend's.
-  cuda_graphs   the decode step of the Triton engine's model, eager vs replayed from `CudaGraphRunner`
+                weights (`triton+int4`) and with an int8 KV cache too; decode tokens/s and whether the greedy
+                tokens equal the torch backend's.
+  5. w4a16      chapter 5's int4 matmul vs bf16 torch.matmul vs dequantize-then-matmul, Llama-3-8B shapes.
+  6. decode_kv_quant  paged decode over int8 / fp8_e4m3 codes with per-token scales vs the bf16 cache.
+  7. cuda_graphs  the decode step of the Triton engine's model, eager vs replayed from `CudaGraphRunner`
                 (minfer/cuda_graphs.py) at batch 1, 8, 32: ms per step, and replay == eager (greedy token).
 
 Writes assets/benchmarks/gpu_check.json and assets/figures/gpu_check_*.png, and prints the targets (reported
