@@ -63,8 +63,8 @@ SIZES = {
                  e2e_tokens=128, max_model_len=2048, graph_batch=[1, 8, 32], graph_ctx=1024),
     "quick": dict(prefill_lens=[1024, 4096], prefill_tokens=16384, heads=32, kv_heads=8, head_dim=128,
                   decode_ctx=[4096], decode_batch=[1, 32], w4a16_m=[1, 16, 64], w4a16_shapes=[(14336, 4096)],
-                  kvq_ctx=[4096], kvq_batch=[32], e2e_prompts=16, e2e_tokens=64, max_model_len=2048, graph_batch=[1, 32],
-                  graph_ctx=1024),
+                  kvq_ctx=[4096], kvq_batch=[32], e2e_prompts=16, e2e_tokens=64, max_model_len=2048,
+                  graph_batch=[1, 32], graph_ctx=1024),
     "dry": dict(prefill_lens=[16, 32], prefill_tokens=32, heads=4, kv_heads=2, head_dim=16, decode_ctx=[32],
                 decode_batch=[1, 2], w4a16_m=[1, 3], w4a16_shapes=[(64, 128)], kvq_ctx=[32], kvq_batch=[2],
                 e2e_prompts=2, e2e_tokens=2, max_model_len=64, graph_batch=[1, 2], graph_ctx=16),
@@ -316,7 +316,8 @@ def bench_w4a16(r: Run, sz: dict, group_sizes=(64, 128)) -> list[dict]:
                 rows.append(row)
                 log(f"[w4a16] {n}x{k} g{gs} M={m:4d}  minfer {row.get('minfer_w4a16_tflops', float('nan')):7.2f} "
                     f"TFLOP/s  bf16 {row.get('torch_bf16_matmul_tflops', float('nan')):7.2f}  x"
-                    f"{row.get('speedup_vs_bf16', float('nan')):.2f} vs bf16, err {row.get('max_rel_err', float('nan')):.1e}")
+                    f"{row.get('speedup_vs_bf16', float('nan')):.2f} vs bf16, "
+                    f"err {row.get('max_rel_err', float('nan')):.1e}")
             del codes, scale, zero, qweight, sz_
         del w
         r.free()
@@ -356,7 +357,8 @@ def bench_decode_kv_quant(r: Run, sz: dict, peak: float | None, block_size: int 
                 except Exception as e:
                     row["error"] = error(e)
                 rows.append(row)
-                log(f"[decode-kvq] B={B:3d} ctx={ctx:6d} {row['kv_cache_dtype']:14s} {row.get('ms', float('nan')):7.3f} ms"
+                log(f"[decode-kvq] B={B:3d} ctx={ctx:6d} {row['kv_cache_dtype']:14s} "
+                    f"{row.get('ms', float('nan')):7.3f} ms"
                     f"  {row.get('bw', float('nan')) / 1e12:5.2f} TB/s  |diff| "
                     f"{row.get('max_abs_diff_vs_unquantized', float('nan')):.3f}")
             r.free()

@@ -231,8 +231,8 @@ class EngineArgs:
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes across requests.
         preemption_mode: "recompute" or "swap" (swap needs swap_space > 0).
         attention_backend: "auto" (default: "triton" on CUDA; "cpu" for a float32 model on the CPU when its
-            C++ kernel builds; else "torch"), "torch" (the plain-torch reference), "cpu" (decode attention by the C++ kernel of
-            `minfer.attention.cpu`; an error where it cannot be built) or "triton"
+            C++ kernel builds; else "torch"), "torch" (the plain-torch reference), "cpu" (decode attention by
+            the C++ kernel of `minfer.attention.cpu`; an error where it cannot be built) or "triton"
             (FlashAttention + paged decode kernels).
         enforce_eager: vLLM's switch that turns off CUDA-graph capture of decode steps. minfer captures no
             graphs yet, so it runs eagerly either way and the flag changes nothing (on a CPU there are no
