@@ -327,3 +327,40 @@ class FramingMiddleware:
                 await self.respond(scope, receive, send, err)
                 return
         await self.app(scope, receive, send)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# What one admitted request can cost the API process at most (chapter 9 §9.8's table)
+# ----------------------------------------------------------------------------------------------------------
+# The most Python memory a byte of JSON becomes: "{}," is 3 bytes and an empty dict (64 bytes, 16 more of the
+# garbage collector's header) plus its slot in the enclosing list (8). Measured with CPython 3.11: 16 MiB of
+# "{}," parsed to 26.0 bytes a byte, "[]," 24.0, '"Ā",' (a one-character string not cached) 15.9, "1000," 7.9.
+JSON_BYTES_PER_BODY_BYTE = 28
+TOKEN_ID_BYTES = 36  # a Python int above 256 (28 bytes) and its list slot (8)
+# A character is at most 4 UTF-8 bytes and a byte-level BPE (or byte-fallback) token at least one byte.
+TOKENS_PER_CHAR = 4
+# Peak bytes per token while a Hugging Face tokenizer encodes (its Encoding: ids, offsets, masks...), measured
+# on SmolLM2's: 663,552 random CJK characters became 1.78 M tokens with the process up 389 MB at its peak.
+TOKENIZE_BYTES_PER_TOKEN = 230
+
+
+def request_memory_bound(limits: ServerLimits, max_model_len: int) -> dict[str, int]:
+    """The most memory one request can make the API process hold before the engine takes it (bytes), by part.
+
+    - `body`: the raw body, at most `max_request_body_bytes`, twice while its chunks are joined (freed once
+      parsed);
+    - `parsed`: its JSON as Python objects, at most `JSON_BYTES_PER_BODY_BYTE` per byte of body;
+    - `tokenizing`: one prompt being tokenized (prompts are tokenized one at a time, each refused once it has
+      max_model_len tokens): `max_prompt_chars` x `TOKENS_PER_CHAR` tokens x `TOKENIZE_BYTES_PER_TOKEN`;
+    - `token_ids`: the prompts kept, `max_seqs_per_request` prompts of under max_model_len ids;
+    - `peak`: the parts held at once, parsed + max(2 x body, tokenizing + token_ids).
+
+    Needs `limits.max_prompt_chars` resolved (`ServerLimits.resolve`).
+    """
+    body = limits.max_request_body_bytes
+    parsed = JSON_BYTES_PER_BODY_BYTE * body
+    chars = limits.max_prompt_chars if limits.max_prompt_chars is not None else body
+    tokenizing = chars * TOKENS_PER_CHAR * TOKENIZE_BYTES_PER_TOKEN
+    token_ids = limits.max_seqs_per_request * max_model_len * TOKEN_ID_BYTES
+    return {"body": body, "parsed": parsed, "tokenizing": tokenizing, "token_ids": token_ids,
+            "peak": parsed + max(2 * body, tokenizing + token_ids)}

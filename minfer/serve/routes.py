@@ -47,12 +47,13 @@ from minfer.sampling_params import SamplingParams
 from minfer.serve.beam_search import beam_search_params, beam_search_requested, serve_beam_search
 from minfer.serve.engine_loop import EngineLoop
 from minfer.serve.limits import (
-    FramingMiddleware, ServerLimits, check_fan_out, check_message_chars, check_prompt_chars, read_body, require_json)
+    FramingMiddleware, ServerLimits, check_fan_out, check_message_chars, check_prompt_chars, check_rendered_chars,
+    check_tool_chars, read_body, require_json)
 from minfer.serve.metrics import ServerMetrics
 from minfer.serve.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS, APIError, echo_setting, normalize_messages, parse_json_body, parse_prompts,
     resolve_model, sampling_params)
-from minfer.serve.fallbacks import FallbackConfig
+from minfer.serve.fallbacks import FallbackConfig, truncate_prompt_tokens_setting
 from minfer.serve.legacy_api import router as legacy_router
 from minfer.serve.ops_routes import router as ops_router
 from minfer.serve.serving import OpenAIServing
@@ -129,12 +130,26 @@ async def completions(request: Request):
     check_fan_out(len(prompts), width, serving.limits)  # before tokenizing: these cost nothing yet
     check_prompt_chars(prompts, serving.limits, serving.max_model_len)
 
+    truncating = truncate_prompt_tokens_setting(body, serving.max_model_len) is not None
+
     def tokenize() -> list:
-        return [serving.engine.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+        # One prompt at a time, each refused as soon as it cannot fit (unless it is to be truncated): what is
+        # held is at most max_model_len ids per prompt, not every prompt's whole tokenization.
+        out = []
+        for i, p in enumerate(prompts):
+            ids = serving.engine.tokenizer.encode(p) if isinstance(p, str) else p
+            if not truncating and len(ids) >= serving.max_model_len:
+                raise APIError(400, f"{'the prompt' if len(prompts) == 1 else f'prompt[{i}]'} has {len(ids)} "
+                                    f"tokens, but max_model_len is {serving.max_model_len}: that leaves no room "
+                                    "for output. Shorten the prompt or raise max_model_len.", param="prompt")
+            out.append(ids)
+        return out
 
     texts = list(prompts)
     try:  # off the engine thread: a megabyte of prompt text must not stall everyone's decoding
         prompts = await run_in_threadpool(tokenize)
+    except APIError:
+        raise
     except Exception as exc:  # e.g. lone surrogates the tokenizer cannot encode
         raise APIError(400, f"the prompt could not be tokenized: {exc}", param="prompt") from None
     if beam:
