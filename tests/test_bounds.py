@@ -311,20 +311,27 @@ def test_generate_refuses_private_fields():
 # The worst case of one request at the default limits (chapter 9's table)
 # ----------------------------------------------------------------------------------------------------------
 def test_one_request_stays_under_its_stated_bound():
-    """The costliest bodies per byte the limits let through, 16 MiB each: empty objects (the most Python
-    memory per byte of JSON) and the most text prompts at the character bound that tokenize to the most
-    tokens. Each is answered and the process's growth stays under `request_memory_bound`'s peak."""
+    """The costliest bodies per byte the limits let through, 16 MiB each: one-character strings CPython does
+    not cache (the most Python memory per byte of JSON once objects and arrays are capped) and the most text
+    prompts at the character bound. Each is answered and the process's growth stays under
+    `request_memory_bound`'s peak. 16 MiB of empty objects (26 bytes a byte) is refused before parsing."""
     limits = ServerLimits().resolve(FakeTokenizer(), MAX_MODEL_LEN)
     bound_mb = request_memory_bound(limits, MAX_MODEL_LEN)["peak"] / 2**20
     chars = limits.max_prompt_chars
     with server_in_thread(_app(limits=limits), **uvicorn_options(limits)) as url:
-        objects = b'{"prompt": "a", "max_tokens": 1, "stop": [' + b"{}," * (
-            (limits.max_request_body_bytes - 200) // 3) + b"{}]}"
+        empty = b'{"prompt": "a", "stop": [' + b"{}," * ((limits.max_request_body_bytes - 200) // 3) + b"{}]}"
+        with rss_growth() as rss:
+            r = httpx.post(url + "/v1/completions", content=empty, timeout=120,
+                           headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and "JSON objects and arrays" in r.text, r.text[:300]
+        assert rss["mb"] < 100, f"memory +{rss['mb']:.0f} MB"
+        strings = b'{"prompt": "a", "max_tokens": 1, "stop": [' + '"\u0100",'.encode() * (
+            (limits.max_request_body_bytes - 200) // 5) + b'"a"]}'
         # one-letter words: one token a character pair, prompts of exactly the character bound
         text = ("a " * (chars // 2))[:chars]
         prompts = json.dumps({"prompt": [text] * limits.max_seqs_per_request, "max_tokens": 1,
                               "truncate_prompt_tokens": 8}).encode()
-        for body in (objects, prompts):
+        for body in (strings, prompts):
             assert len(body) <= limits.max_request_body_bytes
             with rss_growth() as rss:
                 r = httpx.post(url + "/v1/completions", content=body, timeout=120,

@@ -332,10 +332,12 @@ class FramingMiddleware:
 # ----------------------------------------------------------------------------------------------------------
 # What one admitted request can cost the API process at most (chapter 9 §9.8's table)
 # ----------------------------------------------------------------------------------------------------------
-# The most Python memory a byte of JSON becomes: "{}," is 3 bytes and an empty dict (64 bytes, 16 more of the
-# garbage collector's header) plus its slot in the enclosing list (8). Measured with CPython 3.11: 16 MiB of
-# "{}," parsed to 26.0 bytes a byte, "[]," 24.0, '"Ā",' (a one-character string not cached) 15.9, "1000," 7.9.
-JSON_BYTES_PER_BODY_BYTE = 28
+# The most Python memory a byte of JSON becomes, once `protocol.parse_json_body` has refused bodies of more than
+# MAX_JSON_CONTAINERS objects and arrays (16 MiB of "{}," parsed to 26 bytes a byte): a one-character string
+# that CPython does not cache, '"Ā",' (5 bytes; a 76-byte str and its 8-byte list slot). Measured with CPython
+# 3.11 on 16 MiB bodies: '"Ā",' 15.9 to 18.2 bytes a byte, "1.5," 11.5, "1000," 7.9, an object of distinct
+# one-character keys 13.3; 22 leaves room for the allocator's rounding and fragmentation.
+JSON_BYTES_PER_BODY_BYTE = 22
 TOKEN_ID_BYTES = 36  # a Python int above 256 (28 bytes) and its list slot (8)
 # A character is at most 4 UTF-8 bytes and a byte-level BPE (or byte-fallback) token at least one byte.
 TOKENS_PER_CHAR = 4
