@@ -8,6 +8,7 @@ field names are vLLM's engine-argument names, so the article's vLLM command maps
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -457,6 +458,58 @@ def verify_parallel_config(cfg: "ModelConfig", tensor_parallel_size: int, pipeli
                          "(num_hidden_layers): every stage needs at least one layer")
 
 
+# The largest shapes minfer takes from a config, about 4x (16x for positions) the largest public models:
+# Llama 3.1 405B has 126 layers, hidden 16,384, MLP 53,248, 128 heads; Gemma 3 a 262,144-token vocabulary and
+# head_dim 256; Llama 4 Scout 10 M positions. A config over one of them is corrupt or hostile: 1,000,000 layers
+# were built one by one until memory ran out. Checked before anything is allocated (`ModelConfig`).
+MODEL_SIZE_BOUNDS = {
+    "num_hidden_layers": 1024, "hidden_size": 65536, "intermediate_size": 262144, "num_attention_heads": 1024,
+    "num_key_value_heads": 1024, "head_dim": 1024, "vocab_size": 2**21, "max_position_embeddings": 2**24,
+}
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_model_config(cfg: "ModelConfig") -> None:
+    """Every size of `cfg` a positive integer within `MODEL_SIZE_BOUNDS`, every float finite (and positive where
+    it divides or is a base), Q heads a multiple of KV heads. No tensor is needed: this runs in microseconds.
+
+    Raises:
+        ValueError: "<field> = <value>: must be <bound>", for the first field that breaks its rule.
+    """
+    for name, bound in MODEL_SIZE_BOUNDS.items():
+        v = getattr(cfg, name)
+        if not _is_int(v) or not 1 <= v <= bound:
+            raise ValueError(f"{name} = {v!r}: must be an integer in [1, {bound}] (minfer's bound for {name}, "
+                             "above every public model)")
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise ValueError(f"num_attention_heads = {cfg.num_attention_heads} must be a multiple of "
+                         f"num_key_value_heads = {cfg.num_key_value_heads} (each KV head serves a group of Q heads)")
+    # finite and > 0: eps is added under a square root, theta is a base raised to powers, the scalar divides
+    positive = {"rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta}
+    if cfg.rope_local_theta is not None:
+        positive["rope_local_theta"] = cfg.rope_local_theta
+    if cfg.query_pre_attn_scalar is not None:
+        positive["query_pre_attn_scalar"] = cfg.query_pre_attn_scalar
+    for key, v in (cfg.rope_scaling or {}).items():
+        if key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+                   "attention_factor", "beta_fast", "beta_slow", "partial_rotary_factor") and v is not None:
+            positive[f"rope_scaling.{key}"] = v
+    for name, v in positive.items():
+        if not _is_real(v) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"{name} = {v!r}: must be a finite number > 0")
+    for name in ("mscale", "mscale_all_dim"):
+        v = (cfg.rope_scaling or {}).get(name)
+        if v is not None and (not _is_real(v) or not math.isfinite(v)):
+            raise ValueError(f"rope_scaling.{name} = {v!r}: must be a finite number")
+
+
 @dataclass
 class ModelConfig:
     """The model's shape, read from a Hugging Face `config.json` (or GGUF metadata) by the architecture's
@@ -470,6 +523,10 @@ class ModelConfig:
     BLOOM). `rms_norm_eps` is the epsilon of the model's norms, LayerNorm's for GPT-2 and BLOOM.
     `rope_local_theta` is the RoPE base of the sliding-window layers where it differs (Gemma 3), and
     `query_pre_attn_scalar` the softmax scale's denominator where it is not head_dim (Gemma 3).
+
+    Raises:
+        ValueError: a size outside `MODEL_SIZE_BOUNDS`, a non-finite or non-positive float
+            (`check_model_config`), an unknown position embedding, a bad sliding window.
     """
 
     architecture: str
@@ -499,6 +556,7 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
 
     def __post_init__(self) -> None:
+        check_model_config(self)
         if self.position_embedding not in ("rope", "learned", "alibi"):
             raise ValueError(f"position_embedding must be 'rope', 'learned' or 'alibi', got {self.position_embedding!r}")
         if self.position_embedding == "alibi" and self.rope_scaling is not None:

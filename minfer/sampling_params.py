@@ -22,6 +22,11 @@ MAX_LOGPROBS = 20  # top logprobs per token, vLLM's default max_logprobs
 # into its automaton once per request in a few milliseconds.
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
+# Token-id lists are bounded for the same reason: the sampler writes a request's stop ids (under min_tokens)
+# and its logit_bias into the logits at every step. 1,024 is more than every special token of any supported
+# vocabulary (Llama 3 reserves 256); 1.9 M stop ids held 66 MB per sequence before these caps.
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS_TOKENS = 1024
 # The smallest normal float32 (torch.finfo(torch.float32).tiny): the sampler runs in float32, where a top_p
 # below this is a subnormal or 0, and 0 would mask every token.
 FLOAT32_TINY = 1.1754943508222875e-38
@@ -42,7 +47,8 @@ class SamplingParams:
         max_tokens: most new tokens to generate (>= 1); None means "up to max_model_len".
         stop: strings that end generation; the matched string is cut from the returned text. At most
             MAX_STOP_STRINGS (64) strings of at most MAX_STOP_STRING_CHARS (256) characters each.
-        stop_token_ids: token ids that end generation (besides the model's EOS ids).
+        stop_token_ids: token ids that end generation (besides the model's EOS ids); at most
+            MAX_STOP_TOKEN_IDS (1,024).
         ignore_eos: keep generating past EOS (benchmarks use it for fixed output lengths).
         logprobs: return the log-probabilities of this many top tokens per step (0..20, plus the chosen
             one); None returns none.
@@ -54,7 +60,8 @@ class SamplingParams:
             prompt and the output: a positive logit is divided by it, a negative one multiplied; > 0, 1 = off.
         min_tokens: the stop token ids (and EOS unless `ignore_eos`) are masked, and stop strings not
             checked, until this many tokens were generated; 0 <= min_tokens <= max_tokens.
-        logit_bias: {token id: bias} added to the logits before sampling (OpenAI's), biases in [-100, 100].
+        logit_bias: {token id: bias} added to the logits before sampling (OpenAI's), biases in [-100, 100];
+            at most MAX_LOGIT_BIAS_TOKENS (1,024) tokens.
         prompt_logprobs: return, for every prompt token after the first, the log-probability the model gave
             it plus this many top alternatives (0..20), as vLLM's `RequestOutput.prompt_logprobs` (the first
             entry is None). A request asking for them is not served from the prefix cache: every prompt
@@ -144,6 +151,9 @@ class SamplingParams:
                                  f"fields), got {type(self.guided_decoding).__name__}")
         self._verify_logit_bias()
         self._verify_stop()
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"SamplingParams.stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} token ids, "
+                             f"got {len(self.stop_token_ids)}")
         ids = [_as_int(t) for t in self.stop_token_ids]
         if any(t is None or t < 0 for t in ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be a list of non-negative integers, "
@@ -188,6 +198,9 @@ class SamplingParams:
             return
         if not isinstance(self.logit_bias, dict):
             raise ValueError(f"SamplingParams.logit_bias must be a dict {{token id: bias}}, got {self.logit_bias!r:.80}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"SamplingParams.logit_bias may hold at most {MAX_LOGIT_BIAS_TOKENS} tokens, "
+                             f"got {len(self.logit_bias)}")
         out = {}
         for k, v in self.logit_bias.items():
             # ASCII digits only: str.isdigit() also takes "²" and "٤٢", which int() refuses or reads silently.
@@ -215,12 +228,20 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPS
 
     @property
-    def all_stop_token_ids(self) -> set[int]:
-        """Token ids that finish the request: explicit ones, plus EOS unless `ignore_eos`."""
-        ids = set(self.stop_token_ids)
-        if not self.ignore_eos:
-            ids.update(self._eos_token_ids)
-        return ids
+    def all_stop_token_ids(self) -> frozenset[int]:
+        """Token ids that finish the request: explicit ones, plus EOS unless `ignore_eos`.
+
+        Built once per params object and shared: a request's n sequences hold the same set, not n copies.
+        """
+        key = (tuple(self.stop_token_ids), self.ignore_eos, tuple(self._eos_token_ids))
+        cached = self.__dict__.get("_stop_set")
+        if cached is None or cached[0] != key:
+            ids = set(self.stop_token_ids)
+            if not self.ignore_eos:
+                ids.update(self._eos_token_ids)
+            cached = (key, frozenset(ids))
+            self.__dict__["_stop_set"] = cached
+        return cached[1]
 
     def clone(self, **changes) -> "SamplingParams":
         """A copy with some fields changed (validated again)."""

@@ -211,8 +211,8 @@ def test_chat_roles_and_message_count_count_against_the_limits():
     short, and more messages than max_model_len tokens cannot fit: all refused before rendering."""
     engine = FakeEngine(max_model_len=MAX_MODEL_LEN, num_blocks=512)
     rendered: list[int] = []
-    encode_chat = engine.tokenizer.encode_chat
-    engine.tokenizer.encode_chat = lambda messages: rendered.append(len(messages)) or encode_chat(messages)
+    render = engine.tokenizer.apply_chat_template
+    engine.tokenizer.apply_chat_template = lambda messages, *a: rendered.append(len(messages)) or render(messages, *a)
     limit = MAX_MODEL_LEN * FakeTokenizer.max_token_chars
     with TestClient(_app(engine)) as c:
         for messages, words in [

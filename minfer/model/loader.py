@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from minfer.config import DEFAULT_MODEL, MODEL_DTYPES, ModelConfig, default_device, torch_dtype
+from minfer.memory import physical_memory_bytes
 from minfer.model.gguf import load_gguf, load_gguf_blocks
 from minfer.model.layers import BuildOptions, process_weights_after_loading
 from minfer.model.linear_method import LinearMethodBase, default_linear_method, default_weight_loader
@@ -48,6 +49,9 @@ def read_json(path: Path) -> dict:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:  # [[[[...]]]] thousands deep: valid JSON, but no config nests like that
+        raise ValueError(f"{path}: nested too deeply to be a config (more levels than Python's JSON parser "
+                         "takes)") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object {{...}}, got {type(data).__name__}")
     return data
@@ -215,6 +219,42 @@ def read_model_config(source: ModelSource) -> ModelConfig:
     return hf_config(source.path)[0]
 
 
+def estimate_model_bytes(cfg: ModelConfig, dtype: torch.dtype, max_positions: int, quantized: bool = False) -> int:
+    """A lower bound on the bytes a model of `cfg` allocates: the embedding (and an untied LM head), every
+    layer's attention and MLP matrices (two MLP matrices: gated MLPs have three), and a RoPE cos/sin table of
+    `max_positions` rows (float32). A quantized model's matrices count at 4 bits a weight, the fewest any method
+    of minfer stores. Biases and norms are left out: this is for refusing what cannot fit, not for planning.
+    """
+    elem = torch.empty((), dtype=dtype).element_size()
+    h, hd = cfg.hidden_size, cfg.head_dim
+    attn = h * hd * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
+    per_layer = attn + 2 * h * cfg.intermediate_size
+    matrices = cfg.num_hidden_layers * per_layer + (0 if cfg.tie_word_embeddings else cfg.vocab_size * h)
+    table = 2 * max_positions * (hd // 2) * 4 if cfg.position_embedding == "rope" else 0
+    return int(cfg.vocab_size * h * elem + matrices * (0.5 if quantized else elem) + table)
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """All the memory of `device`: the GPU's, or this machine's RAM for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return physical_memory_bytes()
+
+
+def check_fits_in_memory(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
+                         quantized: bool = False) -> None:
+    """ValueError, before any tensor is made, when `estimate_model_bytes` is more than the device's memory
+    (`device_memory_bytes`); the message gives both and the config's sizes. The KV pool is checked against
+    the same memory where it is sized (`minfer.kv_cache.determine_num_blocks`)."""
+    need, have = estimate_model_bytes(cfg, dtype, max_positions, quantized), device_memory_bytes(device)
+    if need > have:
+        raise ValueError(
+            f"this config needs at least {need / 2**30:.1f} GiB for its weights and position table but the "
+            f"{device.type} has {have / 2**30:.1f} GiB (num_hidden_layers={cfg.num_hidden_layers}, hidden_size="
+            f"{cfg.hidden_size}, intermediate_size={cfg.intermediate_size}, vocab_size={cfg.vocab_size}, "
+            f"max positions={max_positions}, {dtype})")
+
+
 def check_finite(tensor: torch.Tensor, what: str) -> None:
     """Raise ValueError("<what> holds NaN or infinite values ...") if a floating `tensor` is not all finite.
     Integer tensors (a quantized method's codes) have no NaN and pass.
@@ -352,7 +392,10 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
     if fused_ops in ("cpu", "auto"):
         fused_ops = "cpu" if use_fused_cpu(device, dtype_, requested=fused_ops == "cpu") else False
     build = BuildOptions(linear_method=linear_method, fused_ops=fused_ops)
-    max_positions = max(cfg.max_position_embeddings, max_model_len or 0)
+    # Position tables (RoPE's cos/sin) cover the positions the engine will use, max_model_len, not every
+    # position the config names: 10^8 of them were a 3.2 GB table under max_model_len=256.
+    max_positions = max_model_len or cfg.max_position_embeddings
+    check_fits_in_memory(cfg, dtype_, device, max_positions, quantized=quantization not in (None, "none"))
     # Built straight on the device in its dtype (vLLM's `set_default_torch_dtype` + target device): the linear
     # methods' `torch.empty` weights cost no initialization, and each parameter keeps the `weight_loader`
     # attribute its method gave it (moving a module with `.to()` would replace the parameters).
@@ -361,6 +404,12 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
     try:
         with torch.device(device):
             model = model_class(cfg.architecture)(cfg, max_positions=max_positions, build=build)
+    except RuntimeError as exc:  # the allocator's own words ("can't allocate memory") name no field
+        if "alloc" not in str(exc) and "out of memory" not in str(exc):
+            raise
+        need = estimate_model_bytes(cfg, dtype_, max_positions) / 2**30
+        raise ValueError(f"{source.path}: building the model ran out of memory (at least {need:.1f} GiB for "
+                         f"weights and tables; {str(exc).splitlines()[0][:200]})") from None
     finally:
         torch.set_default_dtype(previous)
     load_weights(model, tensors, str(source.path), max_parallel_loading_workers)

@@ -83,7 +83,13 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
         ValueError: unknown architecture or a missing required field (the message names `source`).
     """
     arch = find_architecture(hf, source)
-    return arch.load(arch.config_adapter)(hf, arch, source)
+    try:
+        return arch.load(arch.config_adapter)(hf, arch, source)
+    except ValueError as exc:  # ModelConfig's own checks do not know the file: name it
+        msg = str(exc)
+        raise ValueError(msg if msg.startswith(source) else f"{source}: {msg}") from None
+    except (TypeError, ArithmeticError) as exc:  # e.g. a string or 0 where the adapter divides
+        raise ValueError(f"{source}: a field has the wrong type or value ({type(exc).__name__}: {exc})") from None
 
 
 def model_class(architecture: str):

@@ -13,6 +13,7 @@ apply as on the OpenAI routes (`truncate_prompt_tokens`, `request_timeout`, the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -34,12 +35,19 @@ router = APIRouter()
 
 LEGACY_DEFAULT_MAX_TOKENS = 16  # vLLM's SamplingParams default
 _NOT_SAMPLING = {"prompt", "stream", "truncate_prompt_tokens", "request_timeout", "model"}
+# What a client may set: SamplingParams' public fields. The engine's own (`_eos_token_ids`, filled in from the
+# tokenizer) are not a client's to choose.
+PUBLIC_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)
+                                   if f.init and not f.name.startswith("_"))
 
 
 def legacy_sampling_params(body: dict) -> SamplingParams:
     """The body's fields other than prompt/stream as `SamplingParams(**fields)`; APIError(400) naming the
-    field when one is unknown or invalid."""
+    field when one is unknown, private (`_eos_token_ids`) or invalid."""
     fields = {k: v for k, v in body.items() if k not in _NOT_SAMPLING}
+    unknown = sorted(k for k in fields if k not in PUBLIC_SAMPLING_FIELDS)
+    if unknown:
+        raise APIError(400, f"not a sampling parameter: {echo(unknown[0])}", param=echo(unknown[0], 64))
     try:
         return SamplingParams(**fields)
     except TypeError as exc:  # an unknown keyword

@@ -4,13 +4,19 @@ A server that tokenizes whatever arrives can be stalled by one client: a 50 MiB 
 RAM before the engine said it was too long. Every check here runs before the work it protects, in the order a
 request meets them (chapter 9 §9.8 lists each limit with its flag and default):
 
+0. `FramingMiddleware`: the header section no bigger than `h11_max_incomplete_event_size` (431, whether it
+   came in one write or many), and never both `Transfer-Encoding` and `Content-Length` (400, connection
+   closed: the two framings disagree on where the body ends, which is how requests are smuggled past a proxy).
 1. `read_body`: the body must be `application/json` (415: a page on another origin cannot post it without a
    CORS preflight, which minfer never grants), no bigger than `max_request_body_bytes` (413: refused from
    `Content-Length` before a byte is read, or cut off at the limit while a chunked body streams in) and sent
    within `body_read_timeout` seconds (408).
 2. `check_fan_out`: prompts x n, the sequences one request adds, at most `max_seqs_per_request` (400).
-3. `check_prompt_chars` / `check_message_chars`: no prompt longer than `max_prompt_chars` characters (400),
-   checked before tokenizing; `prompt_char_limit` derives the default from the tokenizer's vocabulary.
+3. `check_prompt_chars` / `check_message_chars` / `check_tool_chars`: no prompt longer than `max_prompt_chars`
+   characters (400), checked before rendering and tokenizing (a chat's messages and tools count together);
+   `prompt_char_limit` derives the default from the tokenizer's vocabulary.
+4. `check_rendered_chars`: the chat prompt as the template wrote it, tools and all, checked again before it
+   is tokenized, so no template or tool listing can hand the tokenizer more than the bound.
 
 `ServerLimits` holds them all, the connection-level timeouts that `connection.py` enforces included.
 """
@@ -51,8 +57,9 @@ class ServerLimits:
             byte of the request (seconds; `--header-read-timeout`).
         timeout_keep_alive: how long an idle connection stays open between two requests (seconds;
             `--timeout-keep-alive`, uvicorn's option and default).
-        h11_max_incomplete_event_size: largest header section (bytes; `--h11-max-incomplete-event-size`, h11's
-            default, 16 KiB); a bigger one is a 400 from h11.
+        h11_max_incomplete_event_size: largest header section, request line included (bytes;
+            `--h11-max-incomplete-event-size`, h11's default, 16 KiB); a bigger one is a 431 from
+            `FramingMiddleware` (h11 itself answers 400 only to one still unfinished at that size).
 
     Raises:
         ValueError: a limit that is not a positive number (the message names it).
@@ -225,6 +232,40 @@ def message_chars(messages) -> int:
     return total
 
 
+def json_text_chars(value) -> int:
+    """Characters of every string in a parsed JSON value, object keys included (numbers and literals count 0).
+
+    A tool's name, description and parameter schema are written into the chat prompt as JSON (by the template's
+    `tojson`, or minfer's own listing, `serve.tools`), and every string of it appears there whole, so the prompt
+    has at least this many characters. Iterative: the depth is the body's, which `parse_json_body` bounds.
+    """
+    total, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, dict):
+            total += sum(len(k) for k in v if isinstance(k, str))
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return total
+
+
+def check_tool_chars(messages, tools, limits: ServerLimits, max_model_len: int) -> None:
+    """APIError(400, param "tools") before rendering: the messages' characters (`message_chars`) and the tools'
+    (`json_text_chars`) together over `max_prompt_chars`. 120 tools of 100,000-character descriptions were
+    rendered and tokenized to 6 M tokens (1.15 GB) before the engine said the prompt was too long."""
+    _check_chars(message_chars(messages) + json_text_chars(tools), "messages and tools together", "tools",
+                 limits, max_model_len)
+
+
+def check_rendered_chars(text: str, limits: ServerLimits, max_model_len: int, param: str = "messages") -> None:
+    """APIError(400) for a rendered chat prompt over `max_prompt_chars` characters, before it is tokenized."""
+    _check_chars(len(text), "the rendered prompt (chat template, messages and tools)", param, limits,
+                 max_model_len)
+
+
 def check_message_chars(messages, limits: ServerLimits, max_model_len: int) -> None:
     """APIError(400) before rendering: more messages than max_model_len (every chat template writes at least one
     token per message: its role marker), or more characters than `max_prompt_chars` (`message_chars`)."""
@@ -232,3 +273,96 @@ def check_message_chars(messages, limits: ServerLimits, max_model_len: int) -> N
         raise APIError(400, f"messages has {len(messages)} messages; each costs at least one token, so more than "
                             f"max_model_len={max_model_len} cannot fit", param="messages")
     _check_chars(message_chars(messages), "messages", "messages", limits, max_model_len)
+
+# ----------------------------------------------------------------------------------------------------------
+# The header section: its size and its framing, before any route runs
+# ----------------------------------------------------------------------------------------------------------
+def header_section_bytes(scope) -> int:
+    """Bytes of the request line and header fields as sent ("METHOD target HTTP/1.1\\r\\n", "name: value\\r\\n"
+    each, the blank line); the parsed fields drop only the spaces around a value, so this is within a few
+    bytes per field of the wire."""
+    target = scope.get("raw_path") or scope.get("path", "").encode()
+    query = scope.get("query_string") or b""
+    line = len(scope.get("method", "")) + 1 + len(target) + (1 + len(query) if query else 0) + 11
+    return line + sum(len(k) + len(v) + 4 for k, v in scope.get("headers") or ()) + 2
+
+
+def framing_error(scope, limits: ServerLimits) -> APIError | None:
+    """The reason to refuse a request from its header section alone, or None.
+
+    - 431 when the section is over `h11_max_incomplete_event_size`: h11 applies that limit only to a section
+      still unfinished, so one that arrives whole in a single write (up to the socket's read size) got through.
+    - 400 with `Connection: close` for both `Transfer-Encoding` and `Content-Length` (RFC 9112 §6.1: a server
+      may refuse such a message, and must close the connection after it either way).
+    """
+    size, limit = header_section_bytes(scope), limits.h11_max_incomplete_event_size
+    if size > limit:
+        return APIError(431, f"the request's header section is {size} bytes; the server accepts at most {limit} "
+                             "(--h11-max-incomplete-event-size)", code="request_header_fields_too_large",
+                        headers=_CLOSE)
+    names = {k.lower() for k, _ in scope.get("headers") or ()}
+    if b"transfer-encoding" in names and b"content-length" in names:
+        return APIError(400, "the request has both Transfer-Encoding and Content-Length; send one",
+                        code="ambiguous_framing", headers=_CLOSE)
+    return None
+
+
+class FramingMiddleware:
+    """ASGI middleware: `framing_error`, answered before authentication or any route reads the request.
+
+    Args:
+        app: the ASGI app to guard.
+        limits: `ServerLimits` (its `h11_max_incomplete_event_size`).
+        respond: `async respond(scope, receive, send, APIError)`: writes the error response (the app's error
+            shape and metrics).
+    """
+
+    def __init__(self, app, limits: ServerLimits, respond):
+        self.app, self.limits, self.respond = app, limits, respond
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            err = framing_error(scope, self.limits)
+            if err is not None:
+                await self.respond(scope, receive, send, err)
+                return
+        await self.app(scope, receive, send)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# What one admitted request can cost the API process at most (chapter 9 §9.8's table)
+# ----------------------------------------------------------------------------------------------------------
+# The most Python memory a byte of JSON becomes, once `protocol.parse_json_body` has refused bodies of more than
+# MAX_JSON_CONTAINERS objects and arrays (16 MiB of "{}," parsed to 26 bytes a byte): a one-character string
+# that CPython does not cache, '"Ā",' (5 bytes; a 76-byte str and its 8-byte list slot). Measured with CPython
+# 3.11 on 16 MiB bodies: '"Ā",' 15.9 to 18.2 bytes a byte, "1.5," 11.5, "1000," 7.9, an object of distinct
+# one-character keys 13.3; 22 leaves room for the allocator's rounding and fragmentation.
+JSON_BYTES_PER_BODY_BYTE = 22
+TOKEN_ID_BYTES = 36  # a Python int above 256 (28 bytes) and its list slot (8)
+# A character is at most 4 UTF-8 bytes and a byte-level BPE (or byte-fallback) token at least one byte.
+TOKENS_PER_CHAR = 4
+# Peak bytes per token while a Hugging Face tokenizer encodes (its Encoding: ids, offsets, masks...), measured
+# on SmolLM2's: 663,552 random CJK characters became 1.78 M tokens with the process up 389 MB at its peak.
+TOKENIZE_BYTES_PER_TOKEN = 230
+
+
+def request_memory_bound(limits: ServerLimits, max_model_len: int) -> dict[str, int]:
+    """The most memory one request can make the API process hold before the engine takes it (bytes), by part.
+
+    - `body`: the raw body, at most `max_request_body_bytes`, twice while its chunks are joined (freed once
+      parsed);
+    - `parsed`: its JSON as Python objects, at most `JSON_BYTES_PER_BODY_BYTE` per byte of body;
+    - `tokenizing`: one prompt being tokenized (prompts are tokenized one at a time, each refused once it has
+      max_model_len tokens): `max_prompt_chars` x `TOKENS_PER_CHAR` tokens x `TOKENIZE_BYTES_PER_TOKEN`;
+    - `token_ids`: the prompts kept, `max_seqs_per_request` prompts of under max_model_len ids;
+    - `peak`: the parts held at once, parsed + max(2 x body, tokenizing + token_ids).
+
+    Needs `limits.max_prompt_chars` resolved (`ServerLimits.resolve`).
+    """
+    body = limits.max_request_body_bytes
+    parsed = JSON_BYTES_PER_BODY_BYTE * body
+    chars = limits.max_prompt_chars if limits.max_prompt_chars is not None else body
+    tokenizing = chars * TOKENS_PER_CHAR * TOKENIZE_BYTES_PER_TOKEN
+    token_ids = limits.max_seqs_per_request * max_model_len * TOKEN_ID_BYTES
+    return {"body": body, "parsed": parsed, "tokenizing": tokenizing, "token_ids": token_ids,
+            "peak": parsed + max(2 * body, tokenizing + token_ids)}

@@ -47,12 +47,13 @@ from minfer.sampling_params import SamplingParams
 from minfer.serve.beam_search import beam_search_params, beam_search_requested, serve_beam_search
 from minfer.serve.engine_loop import EngineLoop
 from minfer.serve.limits import (
-    ServerLimits, check_fan_out, check_message_chars, check_prompt_chars, read_body, require_json)
+    FramingMiddleware, ServerLimits, check_fan_out, check_message_chars, check_prompt_chars, check_rendered_chars,
+    check_tool_chars, read_body, require_json)
 from minfer.serve.metrics import ServerMetrics
 from minfer.serve.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS, APIError, echo_setting, normalize_messages, parse_json_body, parse_prompts,
     resolve_model, sampling_params)
-from minfer.serve.fallbacks import FallbackConfig
+from minfer.serve.fallbacks import FallbackConfig, truncate_prompt_tokens_setting
 from minfer.serve.legacy_api import router as legacy_router
 from minfer.serve.ops_routes import router as ops_router
 from minfer.serve.serving import OpenAIServing
@@ -129,12 +130,26 @@ async def completions(request: Request):
     check_fan_out(len(prompts), width, serving.limits)  # before tokenizing: these cost nothing yet
     check_prompt_chars(prompts, serving.limits, serving.max_model_len)
 
+    truncating = truncate_prompt_tokens_setting(body, serving.max_model_len) is not None
+
     def tokenize() -> list:
-        return [serving.engine.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+        # One prompt at a time, each refused as soon as it cannot fit (unless it is to be truncated): what is
+        # held is at most max_model_len ids per prompt, not every prompt's whole tokenization.
+        out = []
+        for i, p in enumerate(prompts):
+            ids = serving.engine.tokenizer.encode(p) if isinstance(p, str) else p
+            if not truncating and len(ids) >= serving.max_model_len:
+                raise APIError(400, f"{'the prompt' if len(prompts) == 1 else f'prompt[{i}]'} has {len(ids)} "
+                                    f"tokens, but max_model_len is {serving.max_model_len}: that leaves no room "
+                                    "for output. Shorten the prompt or raise max_model_len.", param="prompt")
+            out.append(ids)
+        return out
 
     texts = list(prompts)
     try:  # off the engine thread: a megabyte of prompt text must not stall everyone's decoding
         prompts = await run_in_threadpool(tokenize)
+    except APIError:
+        raise
     except Exception as exc:  # e.g. lone surrogates the tokenizer cannot encode
         raise APIError(400, f"the prompt could not be tokenized: {exc}", param="prompt") from None
     if beam:
@@ -163,20 +178,11 @@ async def chat_completions(request: Request):
     params = sampling_params(body, chat=True)
     check_fan_out(1, params.n, serving.limits)
     check_message_chars(body.get("messages"), serving.limits, serving.max_model_len)
+    if body.get("tools"):  # counted even when tool_choice is "none": they are checked, if not shown
+        check_tool_chars(body.get("messages"), body.get("tools"), serving.limits, serving.max_model_len)
     tools, params = _chat_tools(body, params)
     messages = body.get("messages") if tools is not None else normalize_messages(body.get("messages"))
-    try:
-        # Token ids, not text: the template already holds any BOS, and the engine would add another when
-        # it tokenized a string. Rendering and tokenizing run off the event loop and the engine thread.
-        if tools is not None:
-            from minfer.serve.tools import render_prompt
-
-            prompt = await run_in_threadpool(render_prompt, serving.engine.tokenizer, messages, tools)
-        else:
-            prompt = await run_in_threadpool(serving.engine.tokenizer.encode_chat, messages)
-    except (ValueError, TypeError, KeyError) as exc:
-        raise APIError(400, f"messages could not be rendered with the chat template: {exc}",
-                       param="messages") from None
+    prompt = await _render_chat(serving, messages, tools)
     return await serving.generate(request, body, [prompt], params, chat=True, model=model, id_prefix="chatcmpl",
                                   default_max_tokens=None, tools=tools)
 
@@ -192,12 +198,36 @@ async def _chat_beam_search(request: Request, serving: OpenAIServing, body: dict
     check_fan_out(1, params.beam_width, serving.limits)
     check_message_chars(body.get("messages"), serving.limits, serving.max_model_len)
     messages = normalize_messages(body.get("messages"))
+    prompt = await _render_chat(serving, messages, None)
+    return await serve_beam_search(serving, request, body, [prompt], model, serving.max_model_len, chat=True)
+
+
+async def _render_chat(serving: OpenAIServing, messages, tools) -> list[int]:
+    """The chat prompt's token ids: rendered with the template (and `tools`, a `serve.tools.ToolRequest`),
+    its length checked (`limits.check_rendered_chars`), then tokenized; both steps off the event loop.
+
+    Token ids, not text: the template already holds any BOS, and the engine would add another when it
+    tokenized a string.
+    """
+    tokenizer = serving.engine.tokenizer
+
+    def render() -> str:
+        if tools is not None:
+            from minfer.serve.tools import render_text
+
+            return render_text(tokenizer, messages, tools)
+        return tokenizer.apply_chat_template(messages)
+
     try:
-        prompt = await run_in_threadpool(serving.engine.tokenizer.encode_chat, messages)
+        text = await run_in_threadpool(render)
     except (ValueError, TypeError, KeyError) as exc:
         raise APIError(400, f"messages could not be rendered with the chat template: {exc}",
                        param="messages") from None
-    return await serve_beam_search(serving, request, body, [prompt], model, serving.max_model_len, chat=True)
+    check_rendered_chars(text, serving.limits, serving.max_model_len, "tools" if tools is not None else "messages")
+    try:
+        return await run_in_threadpool(lambda: tokenizer.encode(text, add_special_tokens=False))
+    except Exception as exc:  # noqa: BLE001 - e.g. lone surrogates
+        raise APIError(400, f"the prompt could not be tokenized: {exc}", param="messages") from None
 
 
 def _chat_tools(body: dict, params: SamplingParams):
@@ -387,6 +417,11 @@ def build_app(engine, served_model_names: list[str] | str | None = None, api_key
     app.state.metrics.set_cache_config(cache_config_labels(engine_loop, engine))
     if api_key:
         app.add_middleware(_AuthMiddleware, api_key=api_key, metrics=app.state.metrics)
+
+    async def refuse(scope, receive, send, err: APIError) -> None:
+        await error_response(app.state.metrics, err)(scope, receive, send)
+
+    app.add_middleware(FramingMiddleware, limits=limits, respond=refuse)  # outermost: before the key is read
     app.include_router(router)
     app.include_router(ops_router)
     app.include_router(legacy_router)

@@ -295,7 +295,17 @@ def _messages(raw: list, native: bool) -> list[dict]:
 
 
 def render_prompt(tokenizer, raw_messages, req: ToolRequest) -> list[int]:
-    """The prompt's token ids, with the tools shown to the model (see the module docstring).
+    """The prompt's token ids, with the tools shown to the model (`render_text`, then tokenized).
+
+    Raises:
+        ValueError: messages the template cannot render.
+    """
+    return tokenizer.encode(render_text(tokenizer, raw_messages, req), add_special_tokens=False)
+
+
+def render_text(tokenizer, raw_messages, req: ToolRequest) -> str:
+    """The prompt's text, with the tools shown to the model (see the module docstring); the server checks its
+    length before tokenizing it (`limits.check_rendered_chars`).
 
     Raises:
         ValueError: messages the template cannot render.
@@ -315,7 +325,7 @@ def render_prompt(tokenizer, raw_messages, req: ToolRequest) -> list[int]:
         else:
             msgs = [{"role": "system", "content": system}] + msgs
         text = tokenizer.apply_chat_template(msgs)
-    return tokenizer.encode(text, add_special_tokens=False)
+    return text
 
 
 # -- the answer ---------------------------------------------------------------------------------------------
