@@ -7,7 +7,7 @@ still gives comparable ratios. Run it single-threaded for the cleanest numbers:
         [--vllm-python /tmp/vllm-venv/bin/python] [--json PATH]
 
 Parts:
-- `ops`: the element-wise ops of a decoder layer, torch vs `minfer.model.fused_cpu`, at 16 / 192 / 2048 rows;
+- `ops`: the element-wise ops of a decoder layer, torch vs `minfer.cpu.fused_ops`, at 16 / 192 / 2048 rows;
   prefill attention of 192-token prompts, one SDPA call per sequence (what `PagedTorchBackend` does) vs one
   batched call.
 - `gemm`: SmolLM2's linear shapes through oneDNN as minfer calls it (`torch.ops.mkldnn._linear_pointwise`,
@@ -56,7 +56,7 @@ def alternate(variants: dict, rounds: int = 3, reps: int = 10, inner: int = 1) -
 
 
 def bench_ops() -> dict:
-    from minfer.model import fused_cpu as fc
+    from minfer.cpu import fused_ops as fc
     from minfer.model.layers import RMSNorm, silu_and_mul
     from minfer.model.positions import rotate_half_
 

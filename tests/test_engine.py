@@ -73,7 +73,7 @@ def test_engine_equals_simple_path(reference, name):
     engine_llm, outs = run_engine(**CONFIGS[name])
     for i, (got, want) in enumerate(zip(outs, reference)):
         assert got == want, f"{name}: prompt {i} differs"
-    from minfer.attention.cpu import CpuPagedBackend, cpu_kernel_available
+    from minfer.cpu.attention import CpuPagedBackend, cpu_kernel_available
 
     backend = type(engine_llm.llm_engine.worker.backend)
     assert (backend is CpuPagedBackend) == (name != "torch-reference" and cpu_kernel_available())

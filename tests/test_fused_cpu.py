@@ -1,4 +1,4 @@
-"""The fused CPU element-wise ops (minfer/model/fused_cpu.py, model/csrc/fused_cpu.cpp) against the torch ops
+"""The fused CPU element-wise ops (minfer/cpu/fused_ops.py, cpu/csrc/fused_cpu.cpp) against the torch ops
 they replace (RMSNorm, add + RMSNorm, SiLU-and-mul, rotate-half RoPE of minfer/model/layers.py, positions.py),
 and a model built with them against transformers and against the same model in plain torch.
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from minfer.generate import SimpleGenerator
-from minfer.model import fused_cpu as fc
+from minfer.cpu import fused_ops as fc
 from minfer.model.layers import RMSNorm, silu_and_mul
 from minfer.model.loader import load_model
 from minfer.model.positions import rotate_half_

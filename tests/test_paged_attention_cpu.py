@@ -1,4 +1,4 @@
-"""The C++ decode-attention kernel (minfer/attention/cpu.py, attention/csrc/paged_decode_cpu.cpp) against
+"""The C++ decode-attention kernel (minfer/cpu/attention.py, cpu/csrc/paged_decode_cpu.cpp) against
 `attend` run on each sequence alone, and the engine's choice of backend.
 
     pytest tests/test_paged_attention_cpu.py
@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from minfer.attention import cpu
+from minfer.cpu import attention as cpu
 from minfer.attention import Attention, ForwardContext, PagedTorchBackend, attend
 from minfer.model.positions import alibi_slopes
 from tests.test_paged_torch_backend import _pool_and_tables

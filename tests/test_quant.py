@@ -70,7 +70,7 @@ def test_routes_match_dequantize_then_matmul(method, out, k, rows):
     x2 = x.reshape(-1, k)
     if layer.qg_format is not None:  # the CPU's integer GEMM: activations rounded to int8 blocks of 32
         from minfer.quantization.base import packed
-        from minfer.quantization.qgemm import quantize_activations, reference_matmul
+        from minfer.cpu.qgemm import quantize_activations, reference_matmul
 
         ref = reference_matmul(x2, packed(layer)).float().view(2, rows, out) + layer.bias
         tol = 1e-5

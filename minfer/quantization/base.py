@@ -1,7 +1,7 @@
 """What the weight-quantization methods share: a `LinearMethod` that loads the checkpoint's float weight,
 quantizes it once in `process_weights_after_loading`, and then runs one route per device:
 
-- on the CPU (where the C++ kernel builds): the integer GEMM of `minfer.quantization.qgemm` at EVERY batch
+- on the CPU (where the C++ kernel builds): the integer GEMM of `minfer.cpu.qgemm` at EVERY batch
   size. The codes are packed once at load into its tiled layout (the same bytes: 1 or 0.5 byte per weight
   plus the scales), the activations are quantized per call to int8 blocks of 32, and a register-tiled
   micro-kernel sums u8 x s8 products (AVX-512 VNNI or AVX2). One code path for every T keeps a row's result
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minfer.model.linear_method import LinearMethodBase, UnquantizedLinearMethod
-from minfer.quantization.qgemm import PackedWeight, dequantize_rows, qgemm_available, qgemm_unchecked
+from minfer.cpu.qgemm import PackedWeight, dequantize_rows, qgemm_available, qgemm_unchecked
 
 # Where the integer GEMM does not build: most rows that take torch's packed ops; above, the dequantize route.
 # Measured crossover on 2 cores between 4 and 16 rows for SmolLM2's shapes.
@@ -43,7 +43,7 @@ class QuantizedLinearMethod(LinearMethodBase):
         fallback: the method of the layers left in float (the tied head), e.g. the CPU's "hybrid" layout.
         kernel_max_rows: without the integer GEMM, most rows per call that take the packed-op route (0: always
             dequantize).
-        cpu_kernel: pack CPU layers for the integer GEMM (`minfer.quantization.qgemm`) where it builds (False:
+        cpu_kernel: pack CPU layers for the integer GEMM (`minfer.cpu.qgemm`) where it builds (False:
             the older torch routes only).
     """
 
@@ -131,6 +131,14 @@ class QuantizedLinearMethod(LinearMethodBase):
         if layer.bias is not None:
             y = y + layer.bias
         return y.view(*x.shape[:-1], layer.out_features)
+
+    def fused_step_weight(self, layer):
+        """The integer GEMM's `PackedWeight` of a packed layer without bias whose forward is this class's
+        `apply` (one kernel call), else None."""
+        if (layer.bias is not None or not layer.quantized or getattr(layer, "qg_format", None) is None
+                or type(self).apply is not QuantizedLinearMethod.apply):
+            return None
+        return packed(layer)
 
     def weight_rows(self, layer, ids: torch.Tensor) -> torch.Tensor:
         if not layer.quantized:

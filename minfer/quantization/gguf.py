@@ -15,7 +15,7 @@ llama.cpp's blocks (ggml-common.h; q are the stored codes):
 Three routes. The default, for Q4_0, Q4_1 and Q8_0 (SmolLM2-135M's file is all Q4_1 with a Q8_0 embedding/head),
 where the C++ kernel builds:
 
-- **blocks** (`minfer.quantization.qgemm`, chapter 5 §5.3): the file's codes and float16 scales, packed once
+- **blocks** (`minfer.cpu.qgemm`, chapter 5 §5.3): the file's codes and float16 scales, packed once
   into the register-tiled integer GEMM's layout (`gguf_matmul.pack_gguf`: the same bytes per weight), times
   float32 activations that the kernel quantizes to int8 blocks of 32 per call (llama.cpp's method: integer
   dot products, one float multiply-add per block). Bytes read per token = the file's. The activation
@@ -34,7 +34,7 @@ each exact up to a stated rounding, which also run the types the kernel does not
   keeps s and z in bfloat16, so they are rounded from float32 to bfloat16's 8 significant bits: each weight
   moves by at most 2^-8 of its group's 8 |s| + |z| (`tests/test_quant.py` measures it against gguf's own
   dequantization).
-- **int8 codes with group scales** (`minfer.quantization.int8_group`, w = q s): Q8_0 is q, s = d (groups of
+- **int8 codes with group scales** (`minfer.cpu.int8_group`, w = q s): Q8_0 is q, s = d (groups of
   32); Q5_0 is q - 16, s = d (32); Q6_K is q - 32, s = d sc_j (16). float32 scales, so this route is exact:
   the codes times the scales are gguf's dequantized weights bit for bit (checked at load). It costs 1 byte
   per weight plus 4 per group (1.125 and 1.25 bytes per weight) where the file has 8.5, 5.5 and 6.56 bits.
@@ -62,10 +62,10 @@ from torch import nn
 
 from minfer.model.linear_method import LinearMethodBase, UnquantizedLinearMethod
 from minfer.quantization.base import KERNEL_MAX_ROWS, packed, store
-from minfer.quantization.gguf_matmul import KERNEL_TYPES, pack_gguf, repack_blocks
-from minfer.quantization.qgemm import dequantize_rows, qgemm_available, qgemm_unchecked
+from minfer.cpu.gguf_matmul import KERNEL_TYPES, pack_gguf, repack_blocks
+from minfer.cpu.qgemm import dequantize_rows, qgemm_available, qgemm_unchecked
 from minfer.quantization.int4 import Int4LinearMethod
-from minfer.quantization.int8_group import (Int8GroupKernelUnavailable, dequantize_int8_group, int8_group_matmul)
+from minfer.cpu.int8_group import (Int8GroupKernelUnavailable, dequantize_int8_group, int8_group_matmul)
 
 BLOCK = 32
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
@@ -202,18 +202,22 @@ class GGUFLinearMethod(LinearMethodBase):
             int4 op and int8 codes only).
         kernel_max_rows: most rows per call that the int8-group C++ kernel takes; more go through one
             dequantize + `F.linear` (chapter 5 measures the crossover).
+        cpu_kernel: False: no C++ kernel at all on a CPU (kernel "torch", and int8 codes by dequantize +
+            `F.linear`): the platform's kernels="reference".
     """
 
     name = "gguf"
 
     def __init__(self, fallback: LinearMethodBase | None = None, kernel_max_rows: int = INT8_GROUP_KERNEL_MAX_ROWS,
-                 kernel: str = "blocks"):
+                 kernel: str = "blocks", cpu_kernel: bool = True):
         if kernel not in ("blocks", "torch"):
             raise ValueError(f"gguf kernel must be 'blocks' or 'torch', got {kernel!r}")
+        kernel = kernel if cpu_kernel else "torch"
         self.fallback = fallback or UnquantizedLinearMethod()
         self.int4 = Int4LinearMethod(group_size=BLOCK, fallback=self.fallback, cpu_kernel=kernel == "blocks")
         self.kernel_max_rows = kernel_max_rows
         self.kernel = kernel
+        self.cpu_kernel = cpu_kernel
 
     def create_weights(self, layer, in_features: int, output_sizes: list[int], bias: bool) -> None:
         out = sum(output_sizes)
@@ -290,7 +294,7 @@ class GGUFLinearMethod(LinearMethodBase):
         y = None
         # The tied head always takes the kernel: expanding its 49,152 x 576 codes per call costs more than
         # the kernel at any batch (measured), and one code path for every batch keeps its logits batch-invariant.
-        if x2.device.type == "cpu" and (x2.shape[0] <= self.kernel_max_rows or layer.keep_rows):
+        if x2.device.type == "cpu" and self.cpu_kernel and (x2.shape[0] <= self.kernel_max_rows or layer.keep_rows):
             try:
                 y = int8_group_matmul(x2, layer.qweight, layer.scales).to(x.dtype)
             except Int8GroupKernelUnavailable:
@@ -300,6 +304,17 @@ class GGUFLinearMethod(LinearMethodBase):
         if layer.bias is not None:
             y = y + layer.bias
         return y.view(*x.shape[:-1], layer.out_features)
+
+    def fused_step_weight(self, layer):
+        """The integer GEMM's `PackedWeight` of a "blocks" layer (or an "int4" one, through the int4 method)
+        without bias, where the forward is this class's `apply`; else None."""
+        if layer.bias is not None or type(self).apply is not GGUFLinearMethod.apply:
+            return None
+        if layer.gguf_route == "int4":
+            return self.int4.fused_step_weight(layer)
+        if layer.gguf_route != "blocks" or getattr(layer, "qg_format", None) is None:
+            return None
+        return packed(layer)
 
     def weight_rows(self, layer, ids: torch.Tensor) -> torch.Tensor:
         if layer.gguf_route == "blocks":  # only the rows asked for are expanded (gguf's numbers exactly)

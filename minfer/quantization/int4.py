@@ -16,7 +16,7 @@ must be a multiple of it, else loading stops with a ValueError that names the la
 hidden size 576 is 4.5 groups of 128, so `group_size=128` is refused for it (64 and 32 work). No silent
 fallback to another group size: the quality and the bytes per weight would not be what was asked for.
 
-Stored on a CPU where the C++ kernel builds: the integer GEMM's tiles (`minfer.quantization.qgemm`: w =
+Stored on a CPU where the C++ kernel builds: the integer GEMM's tiles (`minfer.cpu.qgemm`: w =
 (q - 8) s + z with s and z bfloat16 per group; 0.5 + 4/G bytes per weight), which every batch size runs
 (activations quantized to int8 blocks of 32; `minfer.quantization.base`). Elsewhere: `qweight uint8 [out,
 in/2]` in the op's packed layout (for `out % 64 == 0`: blocks of 64 rows, byte `[b, k, i]` = row 64b+i in
@@ -31,7 +31,7 @@ import torch
 
 from minfer.config import INT4_GROUP_SIZES
 from minfer.quantization.base import QuantizedLinearMethod, packed, store
-from minfer.quantization.qgemm import dequantize_rows, pack, unpack_rows
+from minfer.cpu.qgemm import dequantize_rows, pack, unpack_rows
 
 DEFAULT_GROUP_SIZE = 64
 

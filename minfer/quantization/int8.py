@@ -6,7 +6,7 @@ without its outliers, Dettmers et al. 2022; vLLM's W8A16).
 
 The scale is stored in bfloat16, rounded up so that no code needs clamping, and the codes are computed with
 the stored scale, so the bound above holds for what is stored. Stored on a CPU where the C++ kernel builds:
-the integer GEMM's tiles (`minfer.quantization.qgemm`, one scale group = the whole row; 1 byte per weight),
+the integer GEMM's tiles (`minfer.cpu.qgemm`, one scale group = the whole row; 1 byte per weight),
 which every batch size runs (activations quantized to int8 blocks of 32; `minfer.quantization.base`).
 Elsewhere: `qweight int8 [out, in]` and `scales bfloat16 [out]`, for `torch.ops.aten._weight_int8pack_mm(x
 bf16 [T, in], qweight, scales) -> [T, out]` or a dequantize + `F.linear`.
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from minfer.quantization.base import QuantizedLinearMethod, packed, store
-from minfer.quantization.qgemm import dequantize_rows, pack
+from minfer.cpu.qgemm import dequantize_rows, pack
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
