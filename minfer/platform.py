@@ -136,9 +136,9 @@ class Platform:
         return UnquantizedLinearMethod()
 
     def quantization_options(self) -> dict:
-        """Keyword arguments of `minfer.quantization.get_quantization_method`: `cpu_kernel` (pack CPU layers
-        for the integer GEMM of `minfer.cpu.qgemm`)."""
-        return {"cpu_kernel": False}
+        """Keyword arguments of `minfer.quantization.get_quantization_method`: `cpu_kernel`, the integer GEMM
+        CPU layers are packed for (None: the quantized methods' torch routes)."""
+        return {"cpu_kernel": None}
 
     def fused_ops(self, attention_backend: str = "auto") -> bool | str:
         """`BuildOptions.fused_ops`: "triton" with the Triton attention backend (it wants them), else False."""
@@ -205,7 +205,13 @@ class CpuPlatform(Platform):
         return SplitLinearMethod()
 
     def quantization_options(self) -> dict:
-        return {"cpu_kernel": not self.reference}
+        """The CPU wing's integer GEMMs (`minfer.cpu.linear.CpuQuantKernels`) under "auto"; none on the
+        reference path."""
+        if self.reference:
+            return {"cpu_kernel": None}
+        from minfer.cpu.linear import CpuQuantKernels
+
+        return {"cpu_kernel": CpuQuantKernels()}
 
     def fused_ops(self, attention_backend: str = "auto") -> bool | str:
         """"cpu" for a float32 model whose C++ loops build here (they are batch-invariant: a row's bits do not

@@ -130,10 +130,11 @@ def test_linear_method_blocks_route(ggml_type):
     """A q|k|v-style Linear of two parts keeps the file's bytes ("blocks" route) and computes the kernel's
     product; `weight_rows` (the tied embedding) gives gguf's rows exactly."""
     from minfer.model.layers import Linear
+    from minfer.cpu.linear import CpuQuantKernels
     from minfer.quantization.gguf import GGUFLinearMethod
 
     (raw_a, ref_a), (raw_b, ref_b) = _blocks(ggml_type, 16, 64, seed=1), _blocks(ggml_type, 16, 64, seed=2)
-    lin = Linear(64, output_sizes=[16, 16], method=GGUFLinearMethod())
+    lin = Linear(64, output_sizes=[16, 16], method=GGUFLinearMethod(cpu_kernel=CpuQuantKernels()))
     for shard, raw in enumerate((raw_a, raw_b)):
         raw.ggml_type = ggml_type
         lin.weight.weight_loader(lin.weight, raw, shard)

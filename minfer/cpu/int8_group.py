@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from minfer.quantization.gguf import dequantize_int8_group  # noqa: F401  (the same product, in torch)
 from minfer.cpu.build import I32, I64, PTR, CppLibrary, KernelUnavailable
 
 # No -ffast-math: the sums keep their order, so a row gives the same bits at any batch size.
@@ -33,13 +34,6 @@ LIBRARY = CppLibrary("minfer_int8_group_cpu", "int8_group_cpu.cpp", CFLAGS, {
 }, Int8GroupKernelUnavailable)
 _library = LIBRARY.load
 int8_group_kernel_available = LIBRARY.available
-
-
-def dequantize_int8_group(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """(qweight int8 [out, in], scale [out, in/G]) -> `[out, in]` in `dtype` (computed in float32)."""
-    out, k = qweight.shape
-    g = scale.shape[1]
-    return (qweight.view(out, g, k // g).float() * scale.float()[..., None]).reshape(out, k).to(dtype)
 
 
 def int8_group_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -222,3 +222,71 @@ class HybridLinearMethod(UnquantizedLinearMethod):
 
 LINEAR_METHODS = {"hybrid": HybridLinearMethod, "onednn": OneDNNLinearMethod, "split": SplitLinearMethod,
                   "panels": PanelLinearMethod, "nn": UnquantizedLinearMethod}
+
+
+class CpuQuantKernels:
+    """The integer GEMM of the CPU wing, for the quantized `LinearMethod`s of `minfer.quantization`: the platform
+    hands them one (`CpuPlatform.quantization_options`, kernels="auto"), and they pack a CPU layer's codes for
+    it (`minfer.cpu.qgemm`: int8, int4, gguf Q4_0/Q4_1/Q8_0 blocks) where it builds. Without one (kernels=
+    "reference", a GPU) they keep their torch routes. Stateless: one object serves every layer."""
+
+    from minfer.cpu.gguf_matmul import KERNEL_TYPES as gguf_types  # the gguf types the GEMM runs as stored
+
+    def available(self) -> bool:
+        """True when the integer GEMM builds here (built on the first call)."""
+        from minfer.cpu.qgemm import qgemm_available
+
+        return qgemm_available()
+
+    def pack(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int, offset: int = 0):
+        """Codes `[out, in]` and 16-bit scales (and zeros) per group -> a `minfer.cpu.qgemm.PackedWeight`."""
+        from minfer.cpu.qgemm import pack
+
+        return pack(codes, scale, zero, bits, offset)
+
+    def pack_gguf(self, parts: list[torch.Tensor], ggml_type: str):
+        """A merged layer's raw gguf parts (`uint8 [out_i, bytes]`, all of `ggml_type`) -> one `PackedWeight`."""
+        from minfer.cpu.gguf_matmul import pack_gguf, repack_blocks
+
+        return pack_gguf([repack_blocks(p, ggml_type) for p in parts], ggml_type)
+
+    def store(self, layer, w) -> None:
+        """Keep `w`'s tensors on `layer` as buffers (`qg_*`) and its shape as `layer.qg_format`."""
+        for name, t in w.tensors().items():
+            layer.register_buffer(name, t)
+        layer.qg_format = (w.bits, w.offset, w.bf16, w.group, w.n, w.k)
+
+    def packed(self, layer):
+        """The `PackedWeight` over a layer's `qg_*` buffers (built per call: a buffer moved by `.to()` is seen)."""
+        from minfer.cpu.qgemm import PackedWeight
+
+        bits, offset, bf16, group, n, k = layer.qg_format
+        return PackedWeight(layer.qg_qs, layer.qg_d, getattr(layer, "qg_m", None), bits, offset, bf16, group, n, k)
+
+    def matmul(self, layer, x2: torch.Tensor) -> torch.Tensor:
+        """`x2 [T, in]` float on the CPU -> `[T, out]` float32 by the integer GEMM."""
+        from minfer.cpu.qgemm import qgemm_unchecked
+
+        return qgemm_unchecked(x2, self.packed(layer))
+
+    def dequantize_rows(self, layer, ids: torch.Tensor | None = None, dtype: torch.dtype = torch.float32):
+        """Rows `ids` (all: None) of the packed layer's `[out, in]` weight, in `dtype`."""
+        from minfer.cpu.qgemm import dequantize_rows
+
+        return dequantize_rows(self.packed(layer), ids, dtype)
+
+    def unpack_rows(self, layer, ids: torch.Tensor):
+        """(codes, scales, zeros) of rows `ids` of the packed layer."""
+        from minfer.cpu.qgemm import unpack_rows
+
+        return unpack_rows(self.packed(layer), ids)
+
+    def int8_group_matmul(self, x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:
+        """`x2 [T, in]` times int8 codes with group scales (`minfer.cpu.int8_group`), or None where that kernel
+        does not build (the caller dequantizes: the same product)."""
+        from minfer.cpu.int8_group import Int8GroupKernelUnavailable, int8_group_matmul
+
+        try:
+            return int8_group_matmul(x2, qweight, scales)
+        except Int8GroupKernelUnavailable:
+            return None

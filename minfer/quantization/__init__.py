@@ -20,10 +20,10 @@ from minfer.config import (CONFIG_KEYS, INT4_GROUP_SIZES, NOT_BUILT_METHODS, QUA
 
 
 def get_quantization_method(quantization: str, config: dict | str | None,
-                            fallback: LinearMethodBase, cpu_kernel: bool = True) -> LinearMethodBase:
+                            fallback: LinearMethodBase, cpu_kernel=None) -> LinearMethodBase:
     """The `LinearMethod` for `quantization` with `config`; `fallback` runs the layers kept in float (the
-    tied LM head); `cpu_kernel` False keeps CPU layers on the torch routes (no C++ GEMM: the platform's
-    kernels="reference"). Raises ValueError as `parse_quantization_config`."""
+    tied LM head); `cpu_kernel` the CPU wing's integer GEMMs the platform hands over (kernels="auto"), None
+    for the torch routes only. Raises ValueError as `parse_quantization_config`."""
     config = parse_quantization_config(quantization, config)
     if quantization == "int8":
         from minfer.quantization.int8 import Int8LinearMethod

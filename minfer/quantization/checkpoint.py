@@ -121,7 +121,7 @@ class PrequantizedLinearMethod(GGUFLinearMethod):
 
     name = "prequantized"
 
-    def __init__(self, method: str, fallback: LinearMethodBase | None = None, cpu_kernel: bool = True):
+    def __init__(self, method: str, fallback: LinearMethodBase | None = None, cpu_kernel=None):
         super().__init__(fallback=fallback, cpu_kernel=cpu_kernel)
         self.name = method
         self.int8 = Int8LinearMethod(fallback=self.fallback, cpu_kernel=cpu_kernel)

@@ -30,8 +30,7 @@ from __future__ import annotations
 import torch
 
 from minfer.config import INT4_GROUP_SIZES
-from minfer.quantization.base import QuantizedLinearMethod, packed, store
-from minfer.cpu.qgemm import dequantize_rows, pack, unpack_rows
+from minfer.quantization.base import QuantizedLinearMethod, store
 
 DEFAULT_GROUP_SIZE = 64
 
@@ -142,19 +141,19 @@ class Int4LinearMethod(QuantizedLinearMethod):
         if layer.group_size % 32 or sz.dtype != torch.bfloat16:
             return None
         codes = layer.pending_codes if layer.pending_codes is not None else self.codes(layer)
-        return pack(codes, sz[..., 0], sz[..., 1], 4, offset=8)
+        return self.cpu_kernel.pack(codes, sz[..., 0], sz[..., 1], 4, offset=8)
 
     def scales_and_zeros(self, layer) -> torch.Tensor:
         """`[in/G, out, 2]` bfloat16 (s, z) of either layout."""
         if getattr(layer, "qg_format", None) is None:
             return layer.scales_and_zeros
-        w = packed(layer)
+        w = self.cpu_kernel.packed(layer)
         ids = torch.arange(w.n)
         return torch.stack([w.d[ids // 16, :, ids % 16], w.m[ids // 16, :, ids % 16]], dim=-1).transpose(0, 1)
 
     def codes(self, layer) -> torch.Tensor:
         if getattr(layer, "qg_format", None) is not None:
-            return unpack_rows(packed(layer), torch.arange(layer.qg_format[4]))[0].to(torch.uint8)
+            return self.cpu_kernel.unpack_rows(layer, torch.arange(layer.qg_format[4]))[0].to(torch.uint8)
         if layer.int4_packed:
             return unpack_int4(layer.qweight)
         q = layer.qweight
@@ -162,7 +161,7 @@ class Int4LinearMethod(QuantizedLinearMethod):
 
     def dequantize(self, layer, dtype: torch.dtype) -> torch.Tensor:
         if getattr(layer, "qg_format", None) is not None:
-            return dequantize_rows(packed(layer), dtype=dtype)
+            return self.cpu_kernel.dequantize_rows(layer, dtype=dtype)
         sz = layer.scales_and_zeros.transpose(0, 1)  # [out, in/G, 2]
         return dequantize_int4(self.codes(layer), sz[..., 0], sz[..., 1], dtype)
 
