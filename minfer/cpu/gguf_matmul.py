@@ -37,7 +37,8 @@ from __future__ import annotations
 import torch
 
 from minfer.cpu.build import I32, I64, PTR, CppLibrary, KernelUnavailable
-from minfer.platform import gguf_isa_override
+# One instruction-set numbering and one CPU probe for both kernels (their C++ choose a set the same way).
+from minfer.cpu.qgemm import ISAS, _isa_from_env, best_isa, quantize_activations  # noqa: F401
 
 # No -march=native: the AVX2 and VNNI functions carry their own target attributes and are chosen at run
 # time, so one build is right on an AVX2-only CPU and fast on an AVX-512 VNNI one. No -ffast-math: fixed
@@ -46,8 +47,6 @@ CFLAGS = ["-O3", "-fopenmp"]
 BLOCK = 32
 KERNEL_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 _TYPE_ID = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
-ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "vnni": 3}
-ISA_NAMES = {v: k for k, v in ISAS.items()}
 
 
 class GGUFKernelUnavailable(KernelUnavailable):
@@ -56,15 +55,9 @@ class GGUFKernelUnavailable(KernelUnavailable):
 
 LIBRARY = CppLibrary("minfer_gguf_matmul_cpu", "gguf_matmul_cpu.cpp", CFLAGS, {
     "minfer_gguf_matmul": ([PTR, PTR, PTR, PTR, PTR, I32, I64, I64, I64, I32, I32], I32),
-    "minfer_gguf_best_isa": ([], I32),
 }, GGUFKernelUnavailable)
 _library = LIBRARY.load
 gguf_kernel_available = LIBRARY.available
-
-
-def best_isa() -> str:
-    """The instruction set the kernel uses here by default: "vnni", "avx2" or "scalar"."""
-    return ISA_NAMES[_library().minfer_gguf_best_isa()]
 
 
 def repack_blocks(raw: torch.Tensor, ggml_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -124,15 +117,6 @@ def dequantize_blocks(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
     return w.reshape(n, -1).to(dtype)
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the kernel does to x first, in torch: `x float32 [T, K]` -> (codes int8 [T, K/32, 32], scale float32
-    [T, K/32]) with dx = max|x| / 127 per block of 32 and q = round(x / dx) (half to even)."""
-    xb = x.float().reshape(x.shape[0], -1, BLOCK)
-    dx = xb.abs().amax(-1) / 127
-    inv = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
-    return torch.round(xb * inv[..., None]).to(torch.int8), dx
-
-
 def reference_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
                      ggml_type: str) -> torch.Tensor:
     """The kernel's arithmetic in float64 torch (the activations quantized the same way): `[T, N]` float64.
@@ -140,14 +124,6 @@ def reference_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torc
     qx, dx = quantize_activations(x)
     xd = (qx.double() * dx.double()[..., None]).reshape(x.shape[0], -1)
     return xd @ dequantize_blocks(qs, d, m, ggml_type, torch.float64).t()
-
-
-def _isa_from_env() -> int:
-    """The forced instruction set's number (0: auto): `minfer.platform.gguf_isa_override`."""
-    name = gguf_isa_override()
-    if name not in ISAS:
-        raise ValueError(f"MINFER_GGUF_ISA must be one of {sorted(ISAS)}, got {name!r}")
-    return ISAS[name]
 
 
 def gguf_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, ggml_type: str,

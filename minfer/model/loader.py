@@ -266,7 +266,7 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
             ones (the Triton backend); "cpu" the C++ loops where they apply (float32 on a CPU, kernels="auto"),
             else plain torch; False plain torch. One default for the engine and for any model loaded here, so
             both compute with the same ops (the loops are batch-invariant: a row's result does not depend on
-            the batch, `minfer/cpu/csrc/fused_cpu.cpp`).
+            the batch; the C++ source says how).
         linear_method: how every Linear stores and multiplies its weight; default the platform's
             (`Platform.linear_method`: the fastest CPU layout, "nn" on a GPU or with kernels="reference").
         kernels: "auto" or "reference" (`EngineArgs.kernels`, `minfer.platform`): the platform's choices of
