@@ -10,7 +10,7 @@ quantizes it once in `process_weights_after_loading`, and then runs one route pe
   SmolLM2's shapes (chapter 5 §5.3, assets/benchmarks/qgemm_kernel_cpu.json): 2.5-5.4x faster at 16-2048 rows
   on 2 cores, and reading 4-7x fewer bytes at 1 row. The price is the activation rounding to 8 bits per block
   of 32 (chapter 5 §5.9 measures the perplexity: int8 +0.31% against float32).
-- where the kernel does not build (no compiler, MINFER_CPU_KERNELS=0): the older routes, torch's packed CPU
+- where the kernel does not build (no compiler), or with kernels="reference": the older routes, torch's packed CPU
   ops on bfloat16 activations at <= `kernel_max_rows` rows, else one dequantize + `F.linear` with the same
   bfloat16 roundings;
 - other devices: `device_kernel` (dequantize + `F.linear`; int4's Triton W4A16 kernel on a GPU).
