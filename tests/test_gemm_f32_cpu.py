@@ -1,7 +1,6 @@
 """The few-row float32 GEMM (`minfer.cpu.gemm_f32`, the "panels" layout) against a float64 reference,
 its batch invariance, and the AVX2 and scalar builds of the same source."""
 
-import ctypes
 
 import pytest
 import torch
