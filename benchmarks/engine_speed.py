@@ -7,15 +7,15 @@ still gives comparable ratios. Run it single-threaded for the cleanest numbers:
         [--vllm-python /tmp/vllm-venv/bin/python] [--json PATH]
 
 Parts:
-- `ops`: the element-wise ops of a decoder layer, torch vs `minfer.model.fused_cpu`, at 16 / 192 / 2048 rows;
+- `ops`: the element-wise ops of a decoder layer, torch vs `minfer.cpu.fused_ops`, at 16 / 192 / 2048 rows;
   prefill attention of 192-token prompts, one SDPA call per sequence (what `PagedTorchBackend` does) vs one
   batched call.
 - `gemm`: SmolLM2's linear shapes through oneDNN as minfer calls it (`torch.ops.mkldnn._linear_pointwise`,
   packed weights) and as vLLM's CPU backend does (`torch.ops._C.onednn_mm`); needs `--vllm-python` (it runs
   itself again under vLLM's venv, where both exist).
 - `engine`: two engines on the same 16 prompts of 192 token ids, 48 greedy tokens, one with torch's element-wise
-  ops (`MINFER_FUSED_CPU_OPS=0`) and one with the fused ones, stepped in turn; CPU seconds per step, and
-  whether their tokens are identical.
+  ops (the platform's fused-ops choice turned off for it: `CpuPlatform.fused_ops`) and one with the fused ones,
+  stepped in turn; CPU seconds per step, and whether their tokens are identical.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def alternate(variants: dict, rounds: int = 3, reps: int = 10, inner: int = 1) -
 
 
 def bench_ops() -> dict:
-    from minfer.model import fused_cpu as fc
+    from minfer.cpu import fused_ops as fc
     from minfer.model.layers import RMSNorm, silu_and_mul
     from minfer.model.positions import rotate_half_
 
@@ -138,12 +138,21 @@ def bench_gemm() -> dict:
 def bench_engine(model_dir: str) -> dict:
     from minfer import LLM, SamplingParams
 
+    from minfer.platform import CpuPlatform
+
     def make(fused: bool):
-        os.environ["MINFER_FUSED_CPU_OPS"] = "1" if fused else "0"  # read when the model is built
-        return LLM(model_dir, dtype="float32", max_model_len=1024, max_num_seqs=16, kv_cache_memory_bytes=256 << 20)
+        # Only the element-wise ops differ: the platform's choice of them is turned off while this one loads
+        # (kernels="reference" would change the Linear layout, the attention and the sampler too).
+        choice = CpuPlatform.fused_ops
+        if not fused:
+            CpuPlatform.fused_ops = lambda self, attention_backend="auto": False
+        try:
+            return LLM(model_dir, dtype="float32", max_model_len=1024, max_num_seqs=16,
+                       kv_cache_memory_bytes=256 << 20)
+        finally:
+            CpuPlatform.fused_ops = choice
 
     llms = {"torch_ops": make(False), "fused_cpu_ops": make(True)}
-    os.environ.pop("MINFER_FUSED_CPU_OPS")
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 49000) for _ in range(192)] for _ in range(16)]
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""The fused CPU sampler (minfer/kernels/sampler_cpu.py) against the torch path (minfer/sampling.py), chapter 7
+"""The fused CPU sampler (minfer/cpu/sampler.py) against the torch path (minfer/sampling.py), chapter 7
 §7.4 ("Fused sampling on the device").
 
     python benchmarks/fused_sampler_cpu.py            # a few minutes on 2 shared cores
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from minfer import SamplingParams  # noqa: E402
-from minfer.kernels.sampler_cpu import CpuFusedSampler  # noqa: E402
+from minfer.cpu.sampler import CpuFusedSampler  # noqa: E402
 from minfer.sampling import Sampler  # noqa: E402
 from minfer.sequence import Sequence  # noqa: E402
 

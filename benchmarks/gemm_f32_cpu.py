@@ -18,7 +18,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from minfer.kernels.gemm_f32_cpu import gemm_f32_unchecked, isa, pack_weight
+from minfer.cpu.gemm_f32 import gemm_f32_unchecked, isa, pack_weight
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # q|k|v, o, gate|up, down (N, K)
 VOCAB, HIDDEN, LAYERS = 49152, 576, 30

@@ -1,4 +1,4 @@
-"""minfer's C++ kernel for GGUF blocks (minfer/quantization/gguf_matmul.py: int8 activations, integer dot
+"""minfer's C++ kernel for GGUF blocks (minfer/cpu/gguf_matmul.py: int8 activations, integer dot
 products) against the routes it replaced, on SmolLM2-135M's shapes (chapter 5 §5.3):
 
     python benchmarks/gguf_matmul_kernel.py [--threads 1] [--rows 1,8,64]
@@ -63,9 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
 
     from minfer.quantization.gguf import decode_int8_group_blocks, decode_q4_blocks
-    from minfer.quantization.gguf_matmul import ISAS, best_isa, dequantize_blocks, gguf_matmul, repack_blocks
+    from minfer.cpu.gguf_matmul import ISAS, best_isa, dequantize_blocks, gguf_matmul, repack_blocks
     from minfer.quantization.int4 import pack_int4
-    from minfer.quantization.int8_group import int8_group_matmul
+    from minfer.cpu.int8_group import int8_group_matmul
 
     isas = [i for i in ("vnni", "avx2") if ISAS[i] <= ISAS[best_isa()]]
     rows = []

@@ -1,4 +1,4 @@
-"""minfer's C++ int8-group matmul (GGUF Q8_0 / Q5_0 / Q6_K, minfer/quantization/int8_group.py) against torch's
+"""minfer's C++ int8-group matmul (GGUF Q8_0 / Q5_0 / Q6_K, minfer/cpu/int8_group.py) against torch's
 routes, at batch 1 and 64, on SmolLM2-135M's shapes (chapter 5 §5.3).
 
     python benchmarks/int8_group_kernel.py            # about a minute on 2 cores
@@ -51,7 +51,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "assets" / "benchmarks" / "int8_group_kernel_cpu.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from minfer.quantization.int8_group import dequantize_int8_group, int8_group_matmul
+    from minfer.cpu.int8_group import dequantize_int8_group, int8_group_matmul
 
     rows = [int(r) for r in args.rows.split(",")]
     g = torch.Generator().manual_seed(0)

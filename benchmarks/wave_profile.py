@@ -44,6 +44,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="torch.profiler over the first --profile-steps steps")
     ap.add_argument("--profile-steps", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kernels", choices=["auto", "reference"], default="auto", help="EngineArgs.kernels")
+    ap.add_argument("--enforce-eager", action="store_true", help="EngineArgs.enforce_eager (no step runner)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.model == "/tmp/smollm2-hf" and not os.path.isdir(args.model):
@@ -64,7 +66,7 @@ def main(argv=None) -> int:
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=args.model, dtype=args.dtype, max_model_len=1024, max_num_seqs=args.concurrency,
         kv_cache_memory_bytes=1 << 30, enable_chunked_prefill=args.chunked,
-        max_num_batched_tokens=args.max_num_batched_tokens))
+        max_num_batched_tokens=args.max_num_batched_tokens, kernels=args.kernels, enforce_eager=args.enforce_eager))
     vocab = engine.model_config.vocab_size
     rng = random.Random(args.seed)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
@@ -137,7 +139,6 @@ def main(argv=None) -> int:
         "prefill_tokens_per_step_mean": statistics.mean(s["tokens"] for s in prefill) if prefill else None,
     }
     cfg = {k: v for k, v in vars(args).items() if k != "json"}
-    cfg["MINFER_FUSED_CPU_OPS"] = os.environ.get("MINFER_FUSED_CPU_OPS")
     cfg["threads"] = torch.get_num_threads()
     print(json.dumps(cfg))
     for k, v in summary.items():

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # what each is: minfer/attention/selector.py
+KERNELS = ("auto", "reference")  # what each means: minfer/platform.py
 
 # The one table of dtype names: name -> (torch dtype name or None, bytes per element). Model weights and
 # activations take the float names (MODEL_DTYPES); the memory formulas of the chapters take all of them.
@@ -231,13 +232,18 @@ class EngineArgs:
         enable_chunked_prefill: split long prompts into chunks that share steps with decodes.
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes across requests.
         preemption_mode: "recompute" or "swap" (swap needs swap_space > 0).
-        attention_backend: "auto" (default: "triton" on CUDA; "cpu" for a float32 model on the CPU when its
-            C++ kernel builds; else "torch"), "torch" (the plain-torch reference), "cpu" (decode attention by
-            the C++ kernel of `minfer.attention.cpu`; an error where it cannot be built) or "triton"
+        attention_backend: "auto" (default: "triton" on CUDA; "cpu" for a float32 or bfloat16 model on the CPU
+            when its C++ kernel builds; else "torch"), "torch" (the plain-torch reference), "cpu" (decode
+            attention by the C++ kernel of `minfer.cpu.attention`; an error where it cannot be built) or "triton"
             (FlashAttention + paged decode kernels).
-        enforce_eager: vLLM's switch that turns off CUDA-graph capture of decode steps. minfer captures no
-            graphs yet, so it runs eagerly either way and the flag changes nothing (on a CPU there are no
-            graphs to capture at all); it is accepted so the article's vLLM command runs unchanged.
+        enforce_eager: vLLM's switch: True runs every step through the model's forward, op by op (the plain
+            eager model), with the platform's step runner off: on a CPU the one-call decode step
+            (`minfer.cpu.decode_step`), on CUDA the CUDA-graph replay. The kernels stay as `kernels` says.
+            Default False (the step runner where the platform has one).
+        kernels: "auto" (default: the fastest kernels this device has; on a CPU the wing `minfer/cpu/`: weight
+            layouts, integer GEMMs, fused element-wise ops, C++ attention and sampler, the one-call decode
+            step) or "reference" (the path the chapters teach: plain PyTorch model code, the torch attention
+            reference, the torch sampler, no C++ loaded). `minfer.platform` turns it into those choices.
         quantization: weight quantization, None or one of "int8", "int4", "gguf" (`minfer.quantization`).
         quantization_config: the method's settings, a dict or a JSON object string ({"group_size": 64} for
             int4); parsed into a dict here.
@@ -277,7 +283,8 @@ class EngineArgs:
     enable_prefix_caching: bool = False
     preemption_mode: str | None = None
     attention_backend: str = "auto"
-    enforce_eager: bool = True
+    enforce_eager: bool = False
+    kernels: str = "auto"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -336,6 +343,8 @@ class EngineArgs:
             raise bad("preemption_mode", "'recompute' or 'swap'")
         if self.preemption_mode == "swap" and self.swap_space <= 0:
             raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of CPU memory for swapped KV)")
+        if self.kernels not in KERNELS:
+            raise bad("kernels", "one of " + ", ".join(map(repr, KERNELS)))
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise bad("attention_backend", "one of " + ", ".join(map(repr, ATTENTION_BACKENDS)))
         if self.attention_backend == "cpu" and self.dtype == "float16":

@@ -37,6 +37,12 @@ class LLM:
             kv_cache_memory_bytes, gpu_memory_utilization, swap_space, max_num_seqs, max_num_batched_tokens,
             enable_chunked_prefill, enable_prefix_caching, attention_backend, speculative_config (vLLM's
             dict, e.g. {"method": "ngram", "num_speculative_tokens": 4}; chapter 7b), ...
+            kernels: "auto" (default: the fastest kernels this device has; on a CPU the `minfer/cpu/` wing) or
+                "reference" (the path the chapters teach: plain PyTorch model code, the torch attention
+                reference, the torch sampler, no C++ loaded; `LLM(kernels="reference")`). Both give the same
+                greedy tokens. `minfer.platform` says what each picks.
+            enforce_eager: True runs every step through the model's forward, op by op (no one-call CPU
+                decode step, no CUDA graphs), with the kernels `kernels` chose (default False).
 
     Raises:
         TypeError: an unknown keyword. ValueError / ModelNotFoundError: bad values or an unknown model.
@@ -153,7 +159,8 @@ class LLM:
             worker = engine.worker
             self._simple = SimpleGenerator(worker.model, Sampler(worker.generator), OutputProcessor(self.tokenizer),
                                            kv_cache_dtype=engine.args.kv_cache_dtype,
-                                           attention_backend=engine.args.attention_backend)
+                                           attention_backend=engine.args.attention_backend,
+                                           kernels=engine.args.kernels, enforce_eager=engine.args.enforce_eager)
         outs, timings = [], []
         for i in range(params.n):
             seq = Sequence("simple", i, ids, params, engine.max_model_len)

@@ -1,10 +1,11 @@
 """One device's worker (vLLM's `Worker` + `ModelRunner`): the model, the KV pool, the attention backend and the
 sampler, and the forward of each scheduled step.
 
-    Worker(args)                  load the model (with the fused ops the backend wants)
+    Worker(args)                  pick the platform (`minfer.platform`), load the model with its layout and ops
     .profile_forward(n)           CUDA: measure the peak activation memory of an n-token forward
     .init_kv_cache(blocks, cpu)   allocate the paged pool and swap space; pick the attention backend
     .execute_model(batch)         swap/copy blocks, build one ForwardContext, run the model, sample
+    .run_model(ids, ctx)          the step runner the platform chose (one-call CPU decode), else the model
     .compute_logits(batch)        the same without sampling: the logits (beam search scores them itself)
     .release(seq_ids)             forget per-sequence state (seeded random streams) of retired sequences
     .execute_parallel(batch)      one rank's part of a tensor/pipeline-parallel step (micro-batches, stages)
@@ -27,12 +28,12 @@ import torch
 from minfer.attention import ContiguousBackend, ForwardContext, get_attn_backend
 from minfer.config import EngineArgs
 from minfer.kv_cache import KVCachePool
-from minfer.malloc_cpu import keep_freed_memory
 from minfer.attention.grouped import GroupedBackend, hybrid_layout, stacked_block_tables
 from minfer.model.loader import load_model
 from minfer.parallel.parallel_state import get_parallel_state
 from minfer.parallel.pipeline import recv_from_prev_stage, send_to_next_stage, split_micro_batches, stage_layers
 from minfer.parallel.timeline import TimelineRecorder, device_clock
+from minfer.platform import get_platform
 from minfer.sampling import Sampler
 
 if TYPE_CHECKING:
@@ -61,24 +62,24 @@ class Worker:
     def __init__(self, args: EngineArgs):
         self.args = args
         loaded = load_model(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                            # Triton's fused element-wise kernels with its attention; else the loader's
-                            # default ("auto": the batch-invariant C++ CPU loops with on unless MINFER_FUSED_CPU_OPS=0,
-                            # plain torch otherwise), the same ops as any model `load_model` gives (the
+                            # Triton's fused element-wise kernels with its attention; else the platform's
+                            # ("auto"), the same ops as any model `load_model` gives with these kernels (the
                             # simple path's, a saved directory's round trip).
                             fused_ops="triton" if args.attention_backend == "triton" else "auto",
                             quantization=args.quantization,
                             quantization_config=args.quantization_config,
-                            max_parallel_loading_workers=getattr(args, "max_parallel_loading_workers", None))
+                            max_parallel_loading_workers=getattr(args, "max_parallel_loading_workers", None),
+                            kernels=args.kernels)
         self.model = loaded.model
         self.config, self.source, self.eos_token_ids, self.dtype = (
             loaded.config, loaded.source, loaded.eos_token_ids, loaded.dtype)
         self.device = next(self.model.parameters()).device
-        if self.device.type == "cpu":
-            keep_freed_memory()  # a CPU forward's large buffers stay mapped for the next one (minfer/malloc_cpu.py)
-            # Build the one-call decode plan (and so its C++ libraries) now, not during the first request.
-            inner = getattr(self.model, "model", None)
-            if hasattr(inner, "_one_call_decode"):
-                inner._one_call_decode()
+        # How this device runs a step (minfer/platform.py): allocator settings now, the step runner (built now,
+        # with its C++ libraries, not during the first request), the attention backend and sampler in
+        # init_kv_cache.
+        self.platform = get_platform(args.kernels, self.device, self.dtype, args.enforce_eager)
+        self.platform.configure_allocator()
+        self.step_runner = self.platform.step_runner(self.model)
         # This rank's part of the KV pool: its KV heads (tensor parallelism) of its stage's layers (pipeline).
         st = self.parallel = get_parallel_state()
         cfg = self.config
@@ -131,27 +132,16 @@ class Worker:
         self.pool = KVCachePool(pool_cfg, num_blocks, self.block_size, self.dtype, self.device, num_cpu_blocks,
                                 self.args.kv_cache_dtype)
         scales = self.pool.scales
+        name = self.platform.attention_backend(self.args.attention_backend)
         if layout is None:
-            self.backend = get_attn_backend(self.args.attention_backend, self.pool.layers, scales,
-                                            self.pool.spec, self.dtype)
+            self.backend = get_attn_backend(name, self.pool.layers, scales, self.pool.spec, self.dtype)
         else:
-            inner = get_attn_backend(self.args.attention_backend, layout.layer_caches(self.pool.layers),
+            inner = get_attn_backend(name, layout.layer_caches(self.pool.layers),
                                      None if scales is None else layout.layer_caches(scales), self.pool.spec,
                                      self.dtype)
             self.backend = GroupedBackend(inner, layout)
-        if self.args.attention_backend == "triton":
-            from minfer.kernels.sampler import TritonSampler
-
-            self.sampler = TritonSampler(self.generator)  # fused_sample where a batch allows it
-        else:
-            self.sampler = Sampler(self.generator)
-            if self.device.type == "cpu":
-                # The C++ fused sampler (chapter 7 §7.4): the same greedy tokens and the same distribution in
-                # fewer passes over the logits; the torch Sampler where it cannot be built (MINFER_CPU_KERNELS=0).
-                from minfer.kernels.sampler_cpu import CpuFusedSampler, cpu_sampler_available
-
-                if cpu_sampler_available():
-                    self.sampler = CpuFusedSampler(self.generator)
+        # Triton's fused sampler with its backend, the C++ one on a CPU, else torch's (the platform decides).
+        self.sampler = self.platform.sampler(self.generator, self.args.attention_backend)
 
     def prepare_inputs(self, batch: "ScheduledBatch") -> tuple[torch.Tensor, ForwardContext, list[int]]:
         """Flat input ids `[num_tokens]` and the ForwardContext of a batch; also which batch rows sample this
@@ -233,12 +223,25 @@ class Worker:
         t0 = time.perf_counter()
         input_ids, ctx, rows = self.prepare_inputs(batch)
         self.build_time_s += time.perf_counter() - t0
-        hidden = self.model(input_ids, ctx)
+        hidden = self.run_model(input_ids, ctx)
         if any(s.prompt_logprobs is not None for s in batch.seqs):
             self._prompt_logprobs(batch, hidden)
         if not rows:
             return rows, None
         return rows, self.model.compute_logits(hidden[ctx.logits_indices]).float()
+
+    def run_model(self, input_ids: torch.Tensor | None, ctx: ForwardContext,
+                  intermediate: torch.Tensor | None = None) -> torch.Tensor:
+        """One forward of the step (nano-vllm's `ModelRunner.run_model`): the platform's step runner where it
+        covers the step (on a CPU the one-call decode, `minfer.cpu.decode_step`; on CUDA, graph replay), else
+        the model, op by op. Returns what the model returns (hidden states `[T, hidden]` on the last stage)."""
+        if self.step_runner is not None and intermediate is None:
+            hidden = self.step_runner.run(input_ids, ctx)
+            if hidden is not None:
+                return hidden
+        if intermediate is None:
+            return self.model(input_ids, ctx)
+        return self.model(input_ids, ctx, intermediate)
 
     def set_num_micro_batches(self, m: int) -> None:
         """Micro-batches per pipeline step from now on (the benchmark sweeps it on one running job)."""

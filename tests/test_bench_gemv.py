@@ -4,7 +4,7 @@ import json
 import math
 
 from minfer.bench import best_time, gemv
-from minfer.model.linear_method import onednn_available
+from minfer.cpu.linear import onednn_available
 
 
 def test_gemv_benchmark_reports_every_shape_and_layout(monkeypatch, tmp_path, capsys):

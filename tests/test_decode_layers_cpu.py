@@ -1,4 +1,4 @@
-"""The one-call decode step (minfer/model/decode_layers_cpu.py, csrc/decode_layers_cpu.cpp) against the per-op
+"""The one-call decode step (minfer/cpu/decode_step.py, csrc/decode_layers_cpu.cpp) against the per-op
 path, bit for bit: the hidden state and residual after the last layer, and every layer's K/V cache, at several
 positions, for the weight formats of the integer GEMM (gguf Q4_1 and Q8_0 blocks, int4, int8), with GQA, on
 tiny random models and on the default model; and the cases it must leave to the per-op path."""
@@ -8,11 +8,10 @@ import torch
 
 from minfer.attention.base import ForwardContext
 from minfer.generate import SimpleGenerator
-from minfer.model import decode_layers_cpu as dl
-from minfer.model.llama import _NO_ONE_CALL
+from minfer.cpu import decode_step as dl
 from minfer.model.loader import load_model
 from minfer.quantization.base import store
-from minfer.quantization.qgemm import pack
+from minfer.cpu.qgemm import pack
 from tests.conftest import needs_default_model
 from tests.test_llama import make_hf_model
 
@@ -65,15 +64,16 @@ def _tiny(tmp_path, shape, fmt):
 
 
 class _Counting:
-    """A plan that counts the steps it covered."""
+    """The step runner (`CpuDecodeStep` over `plan`), counting the steps it covered; `forward` runs a step as
+    the worker's `run_model` does: the runner, else the model."""
 
-    def __init__(self, plan):
-        self.plan, self.used = plan, 0
+    def __init__(self, model, plan):
+        self.model, self.runner, self.used = model, dl.CpuDecodeStep(model.model, plan), 0
 
-    def run(self, *args):
-        out = self.plan.run(*args)
+    def forward(self, ids, ctx):
+        out = self.runner.run(ids, ctx)
         self.used += out is not None
-        return out
+        return self.model(ids, ctx) if out is None else out
 
 
 @torch.inference_mode()
@@ -90,18 +90,16 @@ def _compare(model, prompt, steps, seed=0):
     for c in caches:
         model(ids, ForwardContext(c, positions=torch.arange(len(prompt)), start_pos=0))
     g = torch.Generator().manual_seed(seed)
-    counting = _Counting(plan)
+    counting = _Counting(model, plan)
     for p in range(len(prompt), len(prompt) + steps):
         tok = torch.randint(0, model.config.vocab_size, (1,), generator=g)
         pos = torch.tensor([p])
         outs = []
-        for c, fast in zip(caches, (counting, _NO_ONE_CALL)):
-            lm._decode_cpu = fast
-            outs.append(model(tok, ForwardContext(c, positions=pos, start_pos=p)))
+        for c, forward in zip(caches, (counting.forward, model)):
+            outs.append(forward(tok, ForwardContext(c, positions=pos, start_pos=p)))
         assert torch.equal(outs[0], outs[1]), f"hidden state differs at position {p}"
         for layer, (a, b) in enumerate(zip(caches[0].kv_caches, caches[1].kv_caches)):
             assert torch.equal(a[:, :p + 1], b[:, :p + 1]), f"K/V of layer {layer} differ at position {p}"
-    lm._decode_cpu = None
     return counting.used
 
 
@@ -132,13 +130,18 @@ def test_falls_back_where_it_does_not_apply(tmp_path, monkeypatch):
     f32 = dl.DecodeLayersCpu.build(load_model(str(tmp_path), dtype="float32", device="cpu").model.model)
     assert f32 is not None and f32.max_rows == 16  # the "hybrid" default: float32 panels for up to 16 rows
     quant = dict(quantization="int4", quantization_config={"group_size": 32})
-    monkeypatch.setenv("MINFER_FUSED_CPU_OPS", "0")  # the fused ops off: the per-op path is torch's
-    assert dl.DecodeLayersCpu.build(load_model(str(tmp_path), dtype="float32", device="cpu", **quant).model.model) is None
-    monkeypatch.delenv("MINFER_FUSED_CPU_OPS")
-    monkeypatch.setenv("MINFER_DECODE_LAYERS_CPU", "0")
-    assert dl.DecodeLayersCpu.build(load_model(str(tmp_path), dtype="float32", device="cpu", **quant).model.model) is None
-    monkeypatch.delenv("MINFER_DECODE_LAYERS_CPU")
+    # fused ops off (the per-op path is torch's): no plan
+    plain = load_model(str(tmp_path), dtype="float32", device="cpu", fused_ops=False, **quant).model
+    assert dl.DecodeLayersCpu.build(plain.model) is None
+    # the platform leaves the step runner out with kernels="reference" or enforce_eager, and builds it otherwise
+    from minfer.platform import get_platform
+
     model = load_model(str(tmp_path), dtype="float32", device="cpu", **quant).model
+    assert get_platform("auto", "cpu", torch.float32, enforce_eager=True).step_runner(model) is None
+    assert get_platform("reference", "cpu", torch.float32).step_runner(model) is None
+    assert isinstance(get_platform("auto", "cpu", torch.float32).step_runner(model), dl.CpuDecodeStep)
+    ref = load_model(str(tmp_path), dtype="float32", device="cpu", kernels="reference", **quant).model
+    assert get_platform("auto", "cpu", torch.float32).step_runner(ref) is None  # no fused ops, no integer GEMM
     plan = dl.DecodeLayersCpu.build(model.model)
     assert plan is not None
     gen = SimpleGenerator(model)
@@ -175,7 +178,7 @@ def test_default_gguf_model_bit_identical():
 def test_paged_pool_bit_identical(tmp_path):
     """The engine's paged pool (CpuPagedBackend, one decoding sequence): a scattered block table, the new K/V
     stored at its slot, attention over the blocks; the same bits as the per-op path, pool included."""
-    from minfer.attention.cpu import CpuPagedBackend
+    from minfer.cpu.attention import CpuPagedBackend
 
     model = _tiny(tmp_path, "d16-gqa2", "q4_1")
     lm, cfg = model.model, model.config
@@ -186,20 +189,18 @@ def test_paged_pool_bit_identical(tmp_path):
             for _ in range(cfg.num_hidden_layers)]
     backends = [CpuPagedBackend([t.clone() for t in pool]) for _ in range(2)]
     table = torch.tensor([[5, 2, 7, 0]], dtype=torch.int32)
-    counting = _Counting(plan)
+    counting = _Counting(model, plan)
     for p in (0, 3, 6, 13):  # positions inside the 1st, 2nd and 4th blocks of the table
         slot = int(table[0, p // bs]) * bs + p % bs
         tok, pos = torch.tensor([11 + p]), torch.tensor([p])
         outs = []
-        for b, fast in zip(backends, (counting, _NO_ONE_CALL)):
-            lm._decode_cpu = fast
+        for b, forward in zip(backends, (counting.forward, model)):
             ctx = ForwardContext(b, positions=pos, slot_mapping=torch.tensor([slot]), block_tables=table,
                                  context_lens=torch.tensor([p + 1], dtype=torch.int32))
-            outs.append(model(tok, ctx))
+            outs.append(forward(tok, ctx))
         assert torch.equal(outs[0], outs[1]), f"hidden state differs at position {p}"
         for a, b in zip(backends[0].kv_caches, backends[1].kv_caches):
             assert torch.equal(a, b), f"pools differ after position {p}"
-    lm._decode_cpu = None
     assert counting.used == 4
 
 
@@ -209,7 +210,7 @@ def test_batched_float32_decode_bit_identical(tmp_path, rows):
     """A float32 model's batched decode step (the "hybrid" layout's panels, CpuPagedBackend): `rows` sequences
     of different lengths with scattered block tables, each storing its token at its own slot; the same bits as
     the per-op path, pool included. 17 rows are more than the panels take: the per-op path (oneDNN) runs."""
-    from minfer.attention.cpu import CpuPagedBackend
+    from minfer.cpu.attention import CpuPagedBackend
 
     make_hf_model(tmp_path, "LlamaConfig", dict(SHAPES["d64-gqa2"], tie_word_embeddings=True))
     model = load_model(str(tmp_path), dtype="float32", device="cpu").model
@@ -223,19 +224,17 @@ def test_batched_float32_decode_bit_identical(tmp_path, rows):
     backends = [CpuPagedBackend([t.clone() for t in pool]) for _ in range(2)]
     table = torch.randperm(nb, generator=g)[:4 * rows].view(rows, 4).to(torch.int32)  # 4 blocks each, disjoint
     start = torch.randint(0, 12, (rows,), generator=g)  # each sequence's position before the first step
-    counting = _Counting(plan)
+    counting = _Counting(model, plan)
     for step in range(3):
         pos = start + step
         slots = (table[torch.arange(rows), pos // bs].long() * bs + pos % bs)
         tok = torch.randint(0, cfg.vocab_size, (rows,), generator=g)
         outs = []
-        for b, fast in zip(backends, (counting, _NO_ONE_CALL)):
-            lm._decode_cpu = fast
+        for b, forward in zip(backends, (counting.forward, model)):
             ctx = ForwardContext(b, positions=pos, slot_mapping=slots, block_tables=table,
                                  context_lens=(pos + 1).to(torch.int32))
-            outs.append(model(tok, ctx))
+            outs.append(forward(tok, ctx))
         assert torch.equal(outs[0], outs[1]), f"hidden states differ at step {step}"
         for a, b in zip(backends[0].kv_caches, backends[1].kv_caches):
             assert torch.equal(a, b), f"pools differ after step {step}"
-    lm._decode_cpu = None
     assert counting.used == (3 if rows <= 16 else 0)

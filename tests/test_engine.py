@@ -60,6 +60,10 @@ CONFIGS = {
     "block-32": dict(kv_cache_memory_bytes=256 * MIB, block_size=32),
     # Every other configuration runs the default "auto" backend: the C++ decode kernel where it builds.
     "torch-reference": dict(kv_cache_memory_bytes=256 * MIB, attention_backend="torch"),
+    # The textbook path (minfer/platform.py): plain torch everywhere, every step through the model's layers;
+    # and the CPU kernels without the one-call step runner. The same greedy tokens as the simple path's.
+    "kernels-reference": dict(kv_cache_memory_bytes=256 * MIB, kernels="reference"),
+    "enforce-eager": dict(kv_cache_memory_bytes=256 * MIB, enforce_eager=True),
     # 272 token slots (max_model_len 256) for ~1,200 tokens of work: sequences are preempted and resumed.
     "preempt-recompute": dict(max_model_len=256, kv_cache_memory_bytes=12 * MIB),
     "preempt-swap": dict(max_model_len=256, kv_cache_memory_bytes=12 * MIB, swap_space=0.05),
@@ -73,10 +77,13 @@ def test_engine_equals_simple_path(reference, name):
     engine_llm, outs = run_engine(**CONFIGS[name])
     for i, (got, want) in enumerate(zip(outs, reference)):
         assert got == want, f"{name}: prompt {i} differs"
-    from minfer.attention.cpu import CpuPagedBackend, cpu_kernel_available
+    from minfer.cpu.attention import CpuPagedBackend, cpu_kernel_available
 
     backend = type(engine_llm.llm_engine.worker.backend)
-    assert (backend is CpuPagedBackend) == (name != "torch-reference" and cpu_kernel_available())
+    assert (backend is CpuPagedBackend) == (name not in ("torch-reference", "kernels-reference")
+                                            and cpu_kernel_available())
+    if name in ("kernels-reference", "enforce-eager"):
+        assert engine_llm.llm_engine.worker.step_runner is None
     stats = engine_llm.stats()
     if "preempt" in name:
         assert stats.num_preemptions > 0

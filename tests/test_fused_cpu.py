@@ -1,4 +1,4 @@
-"""The fused CPU element-wise ops (minfer/model/fused_cpu.py, model/csrc/fused_cpu.cpp) against the torch ops
+"""The fused CPU element-wise ops (minfer/cpu/fused_ops.py, cpu/csrc/fused_cpu.cpp) against the torch ops
 they replace (RMSNorm, add + RMSNorm, SiLU-and-mul, rotate-half RoPE of minfer/model/layers.py, positions.py),
 and a model built with them against transformers and against the same model in plain torch.
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from minfer.generate import SimpleGenerator
-from minfer.model import fused_cpu as fc
+from minfer.cpu import fused_ops as fc
 from minfer.model.layers import RMSNorm, silu_and_mul
 from minfer.model.loader import load_model
 from minfer.model.positions import rotate_half_
@@ -168,16 +168,17 @@ def test_model_with_fused_cpu_ops_matches_transformers_and_plain_torch(tmp_path,
     assert_logits_close(logits["fused"], logits["plain"])
 
 
-def test_loader_keeps_plain_torch_where_the_cpu_ops_do_not_apply(tmp_path, monkeypatch):
+def test_loader_keeps_plain_torch_where_the_cpu_ops_do_not_apply(tmp_path):
     cfg_name, overrides = CASES["llama-gqa-tied"]
     make_hf_model(tmp_path, cfg_name, overrides)
     bf16 = load_model(str(tmp_path), dtype="bfloat16", device="cpu", fused_ops="cpu")
     assert not bf16.model.model.layers[0].input_layernorm.fused
-    monkeypatch.setenv("MINFER_FUSED_CPU_OPS", "0")
-    off = load_model(str(tmp_path), dtype="float32", device="cpu", fused_ops="cpu")
+    # kernels="reference": the platform keeps plain torch, even where "cpu" is asked for
+    off = load_model(str(tmp_path), dtype="float32", device="cpu", fused_ops="cpu", kernels="reference")
     assert not off.model.model.layers[0].input_layernorm.fused
-    assert not load_model(str(tmp_path), dtype="float32", device="cpu").model.model.layers[0].input_layernorm.fused
-    monkeypatch.setenv("MINFER_FUSED_CPU_OPS", "1")  # the one switch: "auto" (the worker's default) follows it
+    assert not load_model(str(tmp_path), dtype="float32", device="cpu",
+                          kernels="reference").model.model.layers[0].input_layernorm.fused
+    # kernels="auto" (the default, the worker's too): the platform's choice, on for float32
     assert load_model(str(tmp_path), dtype="float32", device="cpu").model.model.layers[0].input_layernorm.fused
 
 

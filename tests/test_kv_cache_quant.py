@@ -73,7 +73,7 @@ def _paged(lens, bs, kvh, d, spec, seed=0):
 def test_backends_read_quantized_pool_like_dequantize_then_attend(name, window, alibi):
     """Decode through the torch reference and the C++ kernel (odd lengths, GQA 9/3, block size 4) equals
     attention over the dequantized keys, sequence by sequence."""
-    from minfer.attention.cpu import CpuPagedBackend, cpu_kernel_available
+    from minfer.cpu.attention import CpuPagedBackend, cpu_kernel_available
 
     spec = kv_cache_spec(name, torch.float32)
     lens, bs, h, kvh, d = [1, 5, 13, 40, 7], 4, 9, 3, 64

@@ -1,5 +1,9 @@
 """The package's layering: data flows one way through the request path the README lists.
 
+0. The model, attention, quantization and kernels folders (the textbook) import nothing from the CPU wing
+   `minfer/cpu/`: what they use of it reaches them through the platform seam (`minfer.platform`) and the
+   objects it hands over (a `LinearMethod`, an attention backend, the quantized methods' `cpu_kernel`).
+
 1. Importing a lower layer (sampling, block manager, scheduler, sequence, tokenizer, detokenizer) loads no
    `minfer.model` module: checked in a fresh interpreter, from `sys.modules`.
 2. No module imports one that sits earlier in the README's request flow ("each step is one call, and no
@@ -25,6 +29,12 @@ PKG = ROOT / "minfer"
 
 # Plain data and formulas every step may use; they import only each other.
 SHARED = {"minfer.config", "minfer.sequence", "minfer.outputs", "minfer.sampling_params", "minfer.memory"}
+# The seam that decides, once per worker, how this device runs a step (minfer/platform.py): every step may ask
+# it, and it reaches the CPU wing only inside its functions, for the step that asks.
+SEAM = {"minfer.platform"}
+# The CPU wing, and the folders that must reach it only through the seam.
+WING = "minfer.cpu"
+TEXTBOOK = ("minfer.model", "minfer.attention", "minfer.quantization", "minfer.kernels")
 # Entry points that drive the flow; they may import anything.
 TOP = {"minfer", "minfer.llm", "minfer.engine", "minfer.serve", "minfer.generate", "minfer.bench", "minfer.recap",
        "minfer.eval", "minfer.quantize"}
@@ -106,10 +116,12 @@ def violations(graph: dict[str, set[str]], flow: list[set[str]]) -> list[str]:
     """Edges that go back up the flow, or from shared data into the flow."""
     bad = []
     for mod, deps in sorted(graph.items()):
-        if mod in TOP or any(mod.startswith(t + ".") for t in TOP if t != "minfer"):
+        if mod in TOP or mod in SEAM or any(mod.startswith(t + ".") for t in TOP if t != "minfer"):
             continue
         mine = step_of(mod, flow)
         for dep in sorted(deps):
+            if dep in SEAM:
+                continue
             theirs = step_of(dep, flow)
             if mod in SHARED and dep not in SHARED:
                 bad.append(f"{mod} (shared data) imports {dep}")
@@ -135,9 +147,33 @@ def test_readme_lists_the_flow_with_modules():
 def test_every_module_has_a_place():
     """A module outside the flow, the shared data and the entry points would escape the check."""
     flow = flow_from_readme()
-    homeless = [m for m in import_graph() if m not in SHARED and step_of(m, flow) is None
+    homeless = [m for m in import_graph() if m not in SHARED | SEAM and step_of(m, flow) is None
                 and not (m in TOP or any(m.startswith(t + ".") for t in TOP if t != "minfer"))]
     assert not homeless, f"modules in no step of the README's request flow: {homeless}"
+
+
+def wing_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of the CPU wing from the textbook folders."""
+    return [f"{mod} imports {dep}" for mod, deps in sorted(graph.items())
+            if any(mod == t or mod.startswith(t + ".") for t in TEXTBOOK)
+            for dep in sorted(deps) if dep == WING or dep.startswith(WING + ".")]
+
+
+def test_textbook_folders_import_nothing_from_the_cpu_wing():
+    assert wing_imports(import_graph()) == []
+
+
+def test_the_wing_check_can_fail():
+    assert wing_imports({"minfer.model.llama": {"minfer.cpu.decode_step"}})
+    assert wing_imports({"minfer.quantization.base": {"minfer.cpu"}})
+    assert not wing_imports({"minfer.model.llama": {"minfer.platform"}, "minfer.worker": {"minfer.cpu.malloc"}})
+    src = "def f():\n    from minfer.cpu import qgemm\n"  # an import inside a function counts too
+    path = PKG / "model" / "_wing_probe.py"
+    try:
+        path.write_text(src)
+        assert wing_imports({"minfer.model._wing_probe": imports_of(path)})
+    finally:
+        path.unlink()
 
 
 def test_no_module_imports_an_earlier_step():

@@ -1,4 +1,4 @@
-"""`Linear` and its linear methods (minfer/model/layers.py, linear_method.py): the CPU layouts (K-major or not,
+"""`Linear` and its linear methods (minfer/model/layers.py, linear_method.py, cpu/linear.py): the CPU layouts (K-major or not,
 split into column slices; oneDNN's packed one) compute what nn.Linear does, and the loader hands each
 parameter its tensors through its own `weight_loader`."""
 
@@ -7,8 +7,13 @@ import torch
 import torch.nn.functional as F
 
 from minfer.model.layers import Linear, TiedEmbedding, process_weights_after_loading
-from minfer.model.linear_method import (LINEAR_METHODS, SplitLinearMethod, default_linear_method, default_weight_loader,
-                                        get_linear_method, onednn_available)
+from minfer.cpu.linear import LINEAR_METHODS, SplitLinearMethod, onednn_available
+from minfer.model.linear_method import default_weight_loader
+from minfer.platform import get_linear_method, get_platform
+
+
+def default_linear_method(device, dtype, kernels="auto"):
+    return get_platform(kernels, device, dtype).linear_method()
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN")
 
@@ -32,8 +37,8 @@ def _loaded(in_f, out_f, bias, tokens, method=None):
 def test_repacked_linear_equals_f_linear(in_f, out_f, splits, bias, tokens):
     lin, w, x, expected = _loaded(in_f, out_f, bias, tokens, SplitLinearMethod(splits))
     lin.process_weights_after_loading()
-    assert lin.k_major == (out_f >= in_f)
-    assert lin.splits == (splits if out_f % splits == 0 else 1)
+    assert lin.method_state.k_major == (out_f >= in_f)
+    assert lin.method_state.splits == (splits if out_f % splits == 0 else 1)
     torch.testing.assert_close(lin(x), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lin(x.view(1, tokens, in_f)), expected.view(1, tokens, out_f), rtol=1e-5, atol=1e-5)
     ids = torch.tensor([0, out_f - 1, out_f // 2, 1])
@@ -53,7 +58,7 @@ def test_onednn_linear_equals_f_linear(layout, in_f, out_f, bias, tokens):
         method.splits = 2
     lin, w, x, expected = _loaded(in_f, out_f, bias, tokens, method)
     lin.process_weights_after_loading()
-    assert lin.layout == layout and (lin.weight if layout == "onednn" else lin.packed).is_mkldnn
+    assert lin.layout == layout and (lin.weight if layout == "onednn" else lin.method_state.packed).is_mkldnn
     torch.testing.assert_close(lin(x), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lin(x.view(1, tokens, in_f)), expected.view(1, tokens, out_f), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lin(x.t().contiguous().t()), expected, rtol=1e-5, atol=1e-5)  # strided input
@@ -78,7 +83,7 @@ def test_hybrid_linear_in_bfloat16_equals_f_linear(tokens):
     lin.weight.data = w.clone()
     lin.method.splits = 2
     lin.process_weights_after_loading()
-    assert lin.packed.is_mkldnn
+    assert lin.method_state.packed.is_mkldnn
     got = lin(x)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), (x.float() @ w.float().T), rtol=1.6e-2, atol=3e-2)
@@ -100,6 +105,7 @@ def test_bad_layouts_are_named(monkeypatch):
     assert default_linear_method("cpu", torch.float32).name == ("hybrid" if onednn_available() else "split")
     assert default_linear_method("cpu", torch.bfloat16).name == ("hybrid" if onednn_available() else "split")
     assert default_linear_method("cuda", torch.bfloat16).name == "nn"
+    assert default_linear_method("cpu", torch.float32, kernels="reference").name == "nn"
     assert set(LINEAR_METHODS) == {"nn", "split", "onednn", "hybrid", "panels"}
 
 
@@ -127,8 +133,8 @@ def test_merged_parts_land_in_their_rows_and_tied_embedding_reads_the_head(layou
     full = torch.cat(parts)
     assert process_weights_after_loading(lin) == layout
     assert lin.layout == layout
-    if layout != "onednn":
-        assert lin.splits == max(1, torch.get_num_threads()) or lin.splits == 1
+    if layout == "split":
+        assert lin.method_state.splits in (max(1, torch.get_num_threads()), 1)
     x = torch.randn(3, 8)
     torch.testing.assert_close(lin(x), x @ full.T, rtol=1e-5, atol=1e-5)
     ids = torch.tensor([[0, 11], [5, 6]])

@@ -1,4 +1,4 @@
-"""glibc malloc tuning of a CPU engine (minfer/malloc_cpu.py): set once, off on request, the user's settings win.
+"""glibc malloc tuning of a CPU engine (minfer/cpu/malloc.py): set once, off on request, the user's settings win.
 What it is for (less page faulting, faster prefill) is a measurement, `benchmarks/wave_profile.py`, not a test:
 a small probe's fault counts moved too little and too unevenly to assert on."""
 
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 PROBE = r"""
-from minfer.malloc_cpu import keep_freed_memory
+from minfer.cpu.malloc import keep_freed_memory
 print(keep_freed_memory(), keep_freed_memory())
 """
 

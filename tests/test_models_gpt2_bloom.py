@@ -111,7 +111,7 @@ def test_package_alias_without_its_package_is_a_clear_error(monkeypatch):
 
 
 def _backends():
-    from minfer.attention.cpu import cpu_kernel_available
+    from minfer.cpu.attention import cpu_kernel_available
     from minfer.kernels import interpreter_active
 
     out = ["torch"]

@@ -1,4 +1,4 @@
-"""The C++ decode-attention kernel (minfer/attention/cpu.py, attention/csrc/paged_decode_cpu.cpp) against
+"""The C++ decode-attention kernel (minfer/cpu/attention.py, cpu/csrc/paged_decode_cpu.cpp) against
 `attend` run on each sequence alone, and the engine's choice of backend.
 
     pytest tests/test_paged_attention_cpu.py
@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from minfer.attention import cpu
+from minfer.cpu import attention as cpu
 from minfer.attention import Attention, ForwardContext, PagedTorchBackend, attend
 from minfer.model.positions import alibi_slopes
 from tests.test_paged_torch_backend import _pool_and_tables
@@ -159,22 +159,21 @@ def test_kernel_rejects_what_it_cannot_read():
             cpu.paged_attention_decode_cpu(q, kv[0], kv[1], tables, lens, 1.0, sliding_window=window)
 
 
-def test_disabled_kernel_falls_back_or_fails_clearly(monkeypatch, caplog):
-    """MINFER_CPU_KERNELS=0: "auto" uses the torch reference with a warning; "cpu" is a clear ValueError."""
+def test_unavailable_kernel_falls_back_or_fails_clearly(monkeypatch, caplog):
+    """A kernel that cannot be built here (no compiler): "auto" uses the torch reference with a warning; "cpu"
+    is a clear ValueError."""
     from minfer.attention import get_attn_backend
 
-    monkeypatch.setenv("MINFER_CPU_KERNELS", "0")
-    cpu._library.cache_clear()
-    try:
-        pool = [torch.zeros(2, 2, 4, 1, 8)]
-        with caplog.at_level("WARNING", logger="minfer.attention.selector"):
-            assert type(get_attn_backend("auto", pool)) is PagedTorchBackend
-        assert "MINFER_CPU_KERNELS=0" in caplog.text
-        with pytest.raises(ValueError, match="attention_backend='cpu' cannot run here"):
-            get_attn_backend("cpu", pool)
-    finally:
-        monkeypatch.delenv("MINFER_CPU_KERNELS")
-        cpu._library.cache_clear()
+    def unavailable():
+        raise cpu.CpuKernelUnavailable("building paged_decode_cpu.cpp failed: no compiler (simulated)")
+
+    monkeypatch.setattr(cpu, "_library", unavailable)
+    pool = [torch.zeros(2, 2, 4, 1, 8)]
+    with caplog.at_level("WARNING", logger="minfer.attention.selector"):
+        assert type(get_attn_backend("auto", pool)) is PagedTorchBackend
+    assert "no compiler (simulated)" in caplog.text
+    with pytest.raises(ValueError, match="attention_backend='cpu' cannot run here"):
+        get_attn_backend("cpu", pool)
 
 
 @needs_kernel

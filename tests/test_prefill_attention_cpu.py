@@ -1,4 +1,4 @@
-"""The CPU prefill attention kernel (csrc/prefill_cpu.cpp, `minfer.attention.cpu.attend_prefill_cpu`) against the
+"""The CPU prefill attention kernel (csrc/prefill_cpu.cpp, `minfer.cpu.attention.attend_prefill_cpu`) against the
 torch reference `attend` in float64, its chunk invariance, and where it leaves the work to SDPA."""
 
 from types import SimpleNamespace
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from minfer.attention import cpu
+from minfer.cpu import attention as cpu
 from minfer.attention.torch_ref import attend
 
 pytestmark = pytest.mark.skipif(cpu._prefill_library() is None, reason="the C++ kernel does not build here")

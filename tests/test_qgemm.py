@@ -1,4 +1,4 @@
-"""The register-tiled integer GEMM (minfer/quantization/qgemm.py, csrc/qgemm_cpu.cpp; chapter 5 §5.3) for every
+"""The register-tiled integer GEMM (minfer/cpu/qgemm.py, csrc/qgemm_cpu.cpp; chapter 5 §5.3) for every
 weight format it runs: GGUF Q4_0 / Q4_1 / Q8_0 (from gguf's own quantizer), int4 (groups 32-256, bfloat16 s
 and z) and int8 (one bfloat16 scale per row). Each instruction-set path against the same arithmetic in
 float64 torch and against a plain dequantize-then-matmul within the bound of the activation rounding, on odd
@@ -12,7 +12,7 @@ layout reads back; bad input.
 import pytest
 import torch
 
-from minfer.quantization.qgemm import (BLOCK, ISAS, dequantize_rows, pack, qgemm, qgemm_available,
+from minfer.cpu.qgemm import (BLOCK, ISAS, dequantize_rows, pack, qgemm, qgemm_available,
                                        quantize_activations, reference_matmul, unpack_rows)
 
 needs_kernel = pytest.mark.skipif(not qgemm_available(), reason="the C++ kernel does not build here")
@@ -21,7 +21,7 @@ FORMATS = ["Q4_0", "Q4_1", "Q8_0", "int4-32", "int4-64", "int4-128", "int4-256",
 
 def _isas():
     """The paths this CPU can run (a forced path the CPU lacks would silently run another one)."""
-    from minfer.quantization.qgemm import best_isa
+    from minfer.cpu.qgemm import best_isa
 
     return [name for name, i in ISAS.items() if 0 < i <= ISAS[best_isa()]]
 
@@ -36,7 +36,7 @@ def _weight(fmt: str, n: int, k: int, seed: int = 0):
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize, quantize
 
-        from minfer.quantization.gguf_matmul import pack_gguf, repack_blocks
+        from minfer.cpu.gguf_matmul import pack_gguf, repack_blocks
 
         raw = torch.from_numpy(quantize(w.numpy(), GGMLQuantizationType[fmt]).copy())
         ref = torch.from_numpy(dequantize(raw.numpy(), GGMLQuantizationType[fmt]).copy()).float()
@@ -165,7 +165,7 @@ def test_four_bit_codes_out_of_range_are_refused():
 
 @needs_kernel
 def test_active_isa_follows_a_forced_set_the_cpu_has(monkeypatch):
-    from minfer.quantization.qgemm import active_isa, best_isa
+    from minfer.cpu.qgemm import active_isa, best_isa
 
     best = best_isa()
     assert active_isa() == best

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from minfer.cpu.linear import CpuQuantKernels
 from minfer.model.layers import Linear
 from minfer.model.linear_method import UnquantizedLinearMethod
 from minfer.quantization import get_quantization_method, parse_quantization_config
@@ -62,17 +63,18 @@ def reference(x, w_hat):
 @pytest.mark.parametrize("out,k", [(48, 192), (80, 320), (960, 576), (17, 128)])
 @pytest.mark.parametrize("rows", [1, 3, 9])
 def test_routes_match_dequantize_then_matmul(method, out, k, rows):
-    m = Int8LinearMethod() if method == "int8" else Int4LinearMethod(int(method.split("-")[1]))
+    kernels = CpuQuantKernels()  # the CPU's integer GEMM where it builds (the platform's kernels="auto")
+    m = Int8LinearMethod(cpu_kernel=kernels) if method == "int8" else Int4LinearMethod(int(method.split("-")[1]),
+                                                                                      cpu_kernel=kernels)
     layer, w = make_linear(m, out, k, bias=True)
     x = torch.randn(2, rows, k, generator=torch.Generator().manual_seed(rows))
     y = layer(x)
     assert y.shape == (2, rows, out) and y.dtype == torch.float32
     x2 = x.reshape(-1, k)
     if layer.qg_format is not None:  # the CPU's integer GEMM: activations rounded to int8 blocks of 32
-        from minfer.quantization.base import packed
-        from minfer.quantization.qgemm import quantize_activations, reference_matmul
+        from minfer.cpu.qgemm import quantize_activations, reference_matmul
 
-        ref = reference_matmul(x2, packed(layer)).float().view(2, rows, out) + layer.bias
+        ref = reference_matmul(x2, kernels.packed(layer)).float().view(2, rows, out) + layer.bias
         tol = 1e-5
         qx, dx = quantize_activations(x2)
         x_err = (qx.float() * dx[..., None] - x2.view(len(x2), -1, 32)).reshape(2, rows, k).norm(dim=-1, keepdim=True)

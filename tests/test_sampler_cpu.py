@@ -1,4 +1,4 @@
-"""The fused CPU sampler (`minfer/kernels/sampler_cpu.py`, `minfer/kernels/csrc/sampler_cpu.cpp`, chapter 7
+"""The fused CPU sampler (`minfer/cpu/sampler.py`, `minfer/cpu/csrc/sampler_cpu.cpp`, chapter 7
 §7.4) against the torch path of `minfer.sampling`: the same argmax for greedy rows (ties, bitmask,
 penalties), the same distribution for sampled rows (frequencies of many draws against the torch path's
 probabilities, within 5 standard errors: a test that fails for a wrong temperature or filter), the same
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from minfer import SamplingParams
-from minfer.kernels.sampler_cpu import CpuFusedSampler, cpu_sampler_available, fused_sample_cpu
+from minfer.cpu.sampler import CpuFusedSampler, cpu_sampler_available, fused_sample_cpu
 from minfer.sampling import Sampler, apply_min_p, apply_token_bitmask, apply_top_k_top_p
 from minfer.sequence import Sequence
 

@@ -2,9 +2,9 @@
 
     base.py       Attention, ForwardContext (typed), AttentionBackend (store_kv / attend / prepare)
     torch_ref.py  attend, ContiguousBackend (chapter 1), PagedTorchBackend (chapter 3): the references
-    cpu.py        CpuPagedBackend: a C++ decode kernel (csrc/paged_decode_cpu.cpp) over the paged pool
     triton.py     TritonBackend over the Triton kernels of minfer.kernels (chapter 4)
     selector.py   get_attn_backend(name, kv_caches, kv_scales, spec, model_dtype): "auto", "torch", "cpu", "triton"
+                  ("cpu": the CPU wing's `CpuPagedBackend`, minfer/cpu/attention.py, through minfer.platform)
     kv_quant.py   kv_cache_dtype: K/V quantized on store to int8 / fp8 with per-token, per-head scales (chapter 5)
 """
 

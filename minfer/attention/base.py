@@ -14,7 +14,7 @@ and one thing per forward: `prepare(ctx)` builds what every layer of the forward
 offsets, gather plans), stored in `ctx.attn_metadata` when the context is made, so no layer recomputes it.
 
 The backends: `minfer.attention.torch_ref` (plain torch, contiguous and paged: the references),
-`minfer.attention.cpu` (a C++ decode kernel reading the paged pool in place) and
+`minfer.cpu.attention` (a C++ decode kernel reading the paged pool in place) and
 `minfer.attention.triton` (the Triton kernels of `minfer.kernels`). `minfer.attention.selector` picks one.
 """
 
@@ -123,6 +123,12 @@ class AttentionBackend(abc.ABC):
     def kv_cache_dtype(self) -> torch.dtype:
         """The element type of the stored K/V (a quantized KV cache stores int8/fp8 here)."""
         return self.kv_caches[0].dtype
+
+    def decode_tables(self, ctx: "ForwardContext"):
+        """For a step runner that does this step's attention itself (`Platform.step_runner`): the K/V addressing
+        of a pure decode step over this backend's cache (a `DecodeTables`-style object of the backend's kernel),
+        or None (the default): the step is not for it, and the model attends through `attend`."""
+        return None
 
     def prepare(self, ctx: ForwardContext) -> Any:
         """Once per forward: what all layers share (becomes `ctx.attn_metadata`). Default: nothing."""

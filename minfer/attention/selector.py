@@ -19,8 +19,8 @@ import logging
 import torch
 
 from minfer.attention.base import AttentionBackend
-from minfer.attention.cpu import KERNEL_MODEL_DTYPES, KERNEL_POOL_DTYPES  # the C++ kernel's dtypes
 from minfer.config import ATTENTION_BACKENDS
+from minfer.platform import KernelUnavailable, cpu_attention_reads, cpu_paged_backend  # the CPU wing's backend
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +40,7 @@ def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype,
         if device.type == "cuda":
             cast = kv_dtype.is_floating_point and kv_dtype.itemsize > 1 and kv_dtype != dtype
             return "torch" if cast else "triton"
-        kernel = device.type == "cpu" and dtype in KERNEL_MODEL_DTYPES and kv_dtype in KERNEL_POOL_DTYPES
-        return "cpu" if kernel else "torch"
+        return "cpu" if device.type == "cpu" and cpu_attention_reads(dtype, kv_dtype) else "torch"
     return name
 
 
@@ -68,13 +67,9 @@ def get_attn_backend(name: str, kv_caches: list[torch.Tensor], kv_scales: list[t
 
         return TritonBackend(kv_caches, kv_scales, spec)
     if name == "cpu":
-        from minfer.attention.cpu import CpuKernelUnavailable, CpuPagedBackend
-
         try:
-            if model_dtype not in (None, *KERNEL_MODEL_DTYPES):
-                raise CpuKernelUnavailable(f"it runs float32 or bfloat16 models; this one runs in {model_dtype}")
-            return CpuPagedBackend(kv_caches, kv_scales, spec)
-        except CpuKernelUnavailable as e:
+            return cpu_paged_backend(kv_caches, kv_scales, spec, model_dtype)
+        except KernelUnavailable as e:
             if name_in == "cpu":
                 raise ValueError(f"attention_backend='cpu' cannot run here: {e}") from e
             logger.warning("the C++ decode-attention kernel is unavailable (%s); using the torch reference", e)

@@ -162,14 +162,13 @@ def _llama_cpp_version() -> str:
 
 def _gguf_facts(engine, path) -> dict:
     """The gguf engine's kernel, whether it decodes in one call, and its bytes against the file's."""
-    from minfer.quantization.qgemm import active_isa, qgemm_available
+    from minfer.cpu.qgemm import active_isa, qgemm_available
 
     model = engine.llm_engine.worker.model
     routes = sorted({m.gguf_route for m in model.modules() if hasattr(m, "gguf_route")})
     facts = {"routes": routes, "kernel_isa": active_isa() if qgemm_available() else None}
-    # whether its one-token steps run all layers in one C++ call (minfer.model.decode_layers_cpu)
-    plan = getattr(getattr(model, "model", None), "_one_call_decode", None)
-    facts["one_call_decode"] = plan is not None and type(plan()).__name__ == "DecodeLayersCpu"
+    # whether its one-token steps run all layers in one C++ call (minfer.cpu.decode_step)
+    facts["one_call_decode"] = engine.llm_engine.worker.step_runner is not None
     if path is not None:
         facts["gguf_file_bytes"] = path.stat().st_size
     return facts

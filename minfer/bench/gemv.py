@@ -25,7 +25,8 @@ import torch
 
 from minfer.bench import best_time
 from minfer.model.layers import Linear
-from minfer.model.linear_method import SplitLinearMethod, get_linear_method, onednn_available
+from minfer.cpu.linear import SplitLinearMethod, onednn_available
+from minfer.platform import get_linear_method
 
 MAX_ROWS = 4096  # a 4096-row step of SmolLM2's whole weight stack already needs ~3 GB of activations
 SHAPES = {"q|k|v": (576, 960), "o_proj": (576, 576), "gate|up": (576, 3072), "down_proj": (1536, 576),

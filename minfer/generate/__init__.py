@@ -19,6 +19,7 @@ import torch
 
 from minfer.attention import ContiguousBackend, ForwardContext
 from minfer.detokenizer import OutputProcessor
+from minfer.platform import get_platform
 from minfer.sampling import Sampler
 from minfer.sequence import Sequence
 
@@ -46,45 +47,48 @@ class SimpleGenerator:
 
     `output_processor` (a `minfer.detokenizer.OutputProcessor`) detokenizes and applies stop strings; without
     one, sequences get token ids only (no text) and stop on stop token ids and length. `kv_cache_dtype`:
-    how the cache stores K/V (`minfer.attention.kv_quant`; "auto" = the model's dtype).
+    how the cache stores K/V (`minfer.attention.kv_quant`; "auto" = the model's dtype). `kernels` and
+    `enforce_eager` are the engine's (`EngineArgs`): "reference" keeps the torch attention reference and
+    runs every step through the model; "auto" takes the platform's cache and its step runner
+    (`minfer.platform`), as the engine's worker does.
     """
 
     def __init__(self, model: torch.nn.Module, sampler: Sampler | None = None,
                  output_processor: OutputProcessor | None = None, kv_cache_dtype: str = "auto",
-                 attention_backend: str = "auto"):
+                 attention_backend: str = "auto", kernels: str = "auto", enforce_eager: bool = False):
         self.model = model
         self.kv_cache_dtype = kv_cache_dtype
-        self.attention_backend = attention_backend
         self.cfg = model.config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self.platform = get_platform(kernels, self.device, self.dtype, enforce_eager)
+        self.attention_backend = self.platform.attention_backend(attention_backend)
+        self.step_runner = self.platform.step_runner(model)
         self.sampler = sampler or Sampler()
         self.output_processor = output_processor
 
     def new_cache(self, max_len: int) -> ContiguousBackend:
-        """A contiguous cache of `max_len` tokens. A float32 or bfloat16 model on the CPU gets
-        `CpuContiguousBackend`: its decode steps attend with the C++ kernel the engine decodes with (same ops on
-        both sides of the engine-vs-simple-path tests, and one kernel call per layer); elsewhere, or where the
-        kernel does not build (`MINFER_CPU_KERNELS=0`), or with `attention_backend="torch"` (the engine's choice,
-        followed here so that both sides attend alike), the torch reference."""
-        args = (self.cfg.num_hidden_layers, max_len, self.cfg.num_key_value_heads, self.cfg.head_dim, self.dtype,
-                self.device, self.kv_cache_dtype)
-        if (self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
-                and self.attention_backend != "torch"):
-            from minfer.attention.cpu import CpuContiguousBackend, CpuKernelUnavailable
+        """A contiguous cache of `max_len` tokens, the platform's (`Platform.contiguous_cache`): on a CPU with
+        kernels="auto", `CpuContiguousBackend`, whose decode steps attend with the C++ kernel the engine decodes
+        with (same ops on both sides of the engine-vs-simple-path tests); else the torch reference."""
+        return self.platform.contiguous_cache(self.cfg.num_hidden_layers, max_len, self.cfg.num_key_value_heads,
+                                              self.cfg.head_dim, self.kv_cache_dtype, self.attention_backend)
 
-            try:
-                return CpuContiguousBackend(*args)
-            except CpuKernelUnavailable:
-                pass
-        return ContiguousBackend(*args)
+    def run_model(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The hidden states `[T, hidden]` of one step: the platform's step runner where it covers the step,
+        else the model (as the engine's `Worker.run_model`)."""
+        if self.step_runner is not None:
+            hidden = self.step_runner.run(input_ids, ctx)
+            if hidden is not None:
+                return hidden
+        return self.model(input_ids, ctx)
 
     @torch.inference_mode()
     def prefill_logits(self, prompt_ids: list[int], cache: ContiguousBackend) -> torch.Tensor:
         """Run the whole prompt once; returns logits of every prompt position `[P, vocab]` (float32)."""
         ids = torch.tensor(prompt_ids, device=self.device)
         ctx = ForwardContext(cache, positions=torch.arange(len(prompt_ids), device=self.device), start_pos=0)
-        return self.model.compute_logits(self.model(ids, ctx))
+        return self.model.compute_logits(self.run_model(ids, ctx))
 
     @torch.inference_mode()
     def generate(self, seq: Sequence, on_token=None) -> GenerationTimings:
@@ -94,7 +98,7 @@ class SimpleGenerator:
         t0 = time.perf_counter()
         ids = torch.tensor(seq.prompt_token_ids, device=self.device)
         pos = torch.arange(seq.num_prompt_tokens, device=self.device)
-        hidden = self.model(ids, ForwardContext(cache, positions=pos, start_pos=0))
+        hidden = self.run_model(ids, ForwardContext(cache, positions=pos, start_pos=0))
         logits = self.model.compute_logits(hidden[-1:])
         timings.prefill_s = time.perf_counter() - t0
         token_buf = torch.empty(1, dtype=torch.long, device=self.device)
@@ -113,7 +117,7 @@ class SimpleGenerator:
             p = len(seq) - 1  # position of the token just sampled
             token_buf.copy_(tokens)
             pos_buf.fill_(p)
-            hidden = self.model(token_buf, ForwardContext(cache, positions=pos_buf, start_pos=p))
+            hidden = self.run_model(token_buf, ForwardContext(cache, positions=pos_buf, start_pos=p))
             logits = self.model.compute_logits(hidden)
             timings.decode_tokens += 1
         timings.decode_s = time.perf_counter() - t0

@@ -7,9 +7,9 @@ matmul instead of three; each parameter's `weight_loader` knows which rows a che
 pattern of nano-vllm and vLLM).
 
 `BuildOptions` is what a model is built with: the linear method and whether the element-wise ops run as
-fused kernels: the Triton ones (the Triton attention backend wants them) or the C++ CPU loops of
-`minfer.model.fused_cpu` (a float32 model on the CPU). Both are decided before the model is built, so no
-layer is patched afterwards.
+fused kernels: the Triton ones (the Triton attention backend wants them) or the C++ CPU loops (a float32
+model on the CPU). The platform (`minfer.platform`) decides both before the model is built, so no layer is
+patched afterwards.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minfer.model.linear_method import (LinearMethodBase, UnquantizedLinearMethod, default_weight_loader,
-                                        get_linear_method)
+from minfer.model.linear_method import LinearMethodBase, UnquantizedLinearMethod, default_weight_loader
 
 
 @dataclass(frozen=True)
@@ -32,7 +31,7 @@ class BuildOptions:
         linear_method: the `LinearMethod` of every `Linear` (one object shared by all layers).
         fused_ops: RMSNorm (with the residual add), SiLU-and-mul and RoPE run as fused kernels instead of
             plain torch: "triton" (or True) the Triton kernels of `minfer.kernels`, "cpu" the C++ loops of
-            `minfer.model.fused_cpu`; False plain torch.
+            the CPU wing; False plain torch. The platform (`minfer.platform`) picks it.
     """
 
     linear_method: LinearMethodBase = field(default_factory=UnquantizedLinearMethod)
@@ -41,17 +40,11 @@ class BuildOptions:
 
 def fused_kernels(kind: bool | str):
     """The module holding `rms_norm`, `fused_add_rms_norm`, `silu_and_mul` and `apply_rotary_` for a
-    `BuildOptions.fused_ops` value: `minfer.model.fused_cpu` for "cpu", `minfer.kernels` (Triton) for "triton"
-    or True. Raises ValueError for another value."""
-    if kind == "cpu":
-        from minfer.model import fused_cpu
+    `BuildOptions.fused_ops` value ("cpu", "triton" or True), as the platform maps it
+    (`minfer.platform.fused_kernels`). Raises ValueError for another value."""
+    from minfer.platform import fused_kernels as platform_kernels
 
-        return fused_cpu
-    if kind is True or kind == "triton":
-        import minfer.kernels
-
-        return minfer.kernels
-    raise ValueError(f"fused_ops must be False, True, 'triton' or 'cpu', got {kind!r}")
+    return platform_kernels(kind)
 
 
 class RMSNorm(nn.Module):
@@ -105,13 +98,13 @@ class Linear(nn.Module):
         super().__init__()
         self.output_sizes = list(output_sizes) if output_sizes else [out_features]
         self.in_features, self.out_features = in_features, sum(self.output_sizes)
-        self.method = get_linear_method(method) if isinstance(method, str) else (method or UnquantizedLinearMethod())
-        self.k_major = self.out_features >= in_features  # the "split" layout: [in, out] slices, else [out, in]
-        self.splits = 1  # the "split" layout's number of column slices
+        if isinstance(method, str):
+            from minfer.platform import get_linear_method  # a layout by name: the platform knows them all
+
+            method = get_linear_method(method)
+        self.method = method or UnquantizedLinearMethod()
         self.keep_rows = False  # set by TiedEmbedding: weight_rows must work whatever the layout
-        self.rows: torch.Tensor | None = None  # plain [out, in] copy kept for weight_rows under "onednn"
-        self.packed: torch.Tensor | None = None  # oneDNN-packed copy under "hybrid" (not a parameter)
-        self.few_rows = None  # under "hybrid": the method of its few-row copy ("panels" or "split")
+        self.method_state = None  # what the method keeps per layer beside the parameters (its own object)
         self.weights_processed = False
         self.method.create_weights(self, in_features, self.output_sizes, bias)
 

@@ -121,9 +121,6 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                           cfg.max_position_embeddings, max_positions, fused=build.fused_ops)
         self.fused_ops = build.fused_ops
-        # The one-call decode step of `minfer.model.decode_layers_cpu` (built on the first one-token forward, once
-        # the weights are packed; `_NO_ONE_CALL` where it does not cover this model).
-        self._decode_cpu = None
 
     def forward(self, input_ids: torch.Tensor | None, ctx: ForwardContext,
                 intermediate: torch.Tensor | None = None) -> torch.Tensor:
@@ -131,42 +128,29 @@ class LlamaModel(nn.Module):
         from the stage before). Returns the normed hidden states `[T, hidden]` on the last stage, else the
         intermediate tensor `[2, T, hidden]` to send on."""
         if self.is_first:
-            x, residual = self.embed_tokens(input_ids), None
+            x, residual = self.embed(input_ids), None
         else:
             x, residual = intermediate[0], intermediate[1]
         # cos/sin of this forward's positions: gathered once here, not once per layer.
         cos_sin = self.rotary_emb.cos_sin_for(ctx.positions)
-        # A decode step on the CPU: all layers in one C++ call where it covers the model and the step (the same
-        # kernels in the same order, bit for bit; chapter 9 §9.2.4, §9.2.6), else the layers one by one.
-        out = self._one_call_decode().run(x, residual, cos_sin, ctx) if x.is_cpu else None
-        if out is not None:
-            x, residual = out
-        else:
-            for layer in self.layers[self.start_layer:self.end_layer]:
-                x, residual = layer(x, residual, self.rotary_emb, cos_sin, ctx)
+        for layer in self.decoder_layers():
+            x, residual = layer(x, residual, self.rotary_emb, cos_sin, ctx)
         if not self.is_last:
             return torch.stack((x, residual))
+        return self.final_norm(x, residual)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """`input_ids [T]` -> the embeddings `[T, hidden]` (first stage)."""
+        return self.embed_tokens(input_ids)
+
+    def decoder_layers(self) -> list[LlamaDecoderLayer]:
+        """This stage's decoder layers, in order (all of them with one stage)."""
+        return list(self.layers[self.start_layer:self.end_layer])
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The last layer's output and residual `[T, hidden]` -> the normed hidden states `[T, hidden]`."""
         x, _ = self.norm(x, residual)
         return x
-
-    def _one_call_decode(self):
-        """The one-call decode plan (`DecodeLayersCpu`), or `_NO_ONE_CALL` where it does not cover this model."""
-        if self._decode_cpu is None:
-            from minfer.model.decode_layers_cpu import DecodeLayersCpu
-
-            self._decode_cpu = DecodeLayersCpu.build(self) or _NO_ONE_CALL
-        return self._decode_cpu
-
-
-class _NoOneCall:
-    """Stands for "no one-call decode for this model": its `run` always says to take the per-op path."""
-
-    @staticmethod
-    def run(*args):
-        return None
-
-
-_NO_ONE_CALL = _NoOneCall()
 
 
 class LlamaForCausalLM(nn.Module):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -22,7 +21,8 @@ from minfer.config import DEFAULT_MODEL, MODEL_DTYPES, ModelConfig, default_devi
 from minfer.memory import physical_memory_bytes
 from minfer.model.gguf import load_gguf, load_gguf_blocks
 from minfer.model.layers import BuildOptions, process_weights_after_loading
-from minfer.model.linear_method import LinearMethodBase, default_linear_method, default_weight_loader
+from minfer.model.linear_method import LinearMethodBase, default_weight_loader
+from minfer.platform import get_platform
 from minfer.model.registry import config_from_hf, model_class
 from minfer.model.sources import ModelSource, resolve_model
 from minfer.quantization import get_quantization_method
@@ -291,44 +291,25 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None, device
     return torch_dtype(dtype)
 
 
-# Whether `fused_ops="auto"` (the default of `load_model` and of the worker) takes the fused CPU ops: on. The ops
-# are batch-invariant (bit for bit, tests/test_fused_cpu.py); the one engine-vs-simple-path test that lands on a
-# near-tie with them on (an int8 KV cache under chunked prefill, whose codes are rounded from K rows computed
-# in chunks by the float32 GEMM, which is not batch-invariant) takes the documented near-tie rule
-# (tests/test_kv_cache_quant.py: NEAR_TIE_FLIPS says what was measured). MINFER_FUSED_CPU_OPS=0 turns them off
-# for every model at once (the engine's, the simple path's, any `load_model`), so both sides stay the same ops.
-FUSED_CPU_OPS_DEFAULT = "1"
-
-
-def use_fused_cpu(device: torch.device, dtype: torch.dtype, requested: bool = False) -> bool:
-    """Whether a model on `device` in `dtype` gets the fused CPU element-wise ops (`minfer.model.fused_cpu`):
-    float32 on the CPU, the C++ builds here (built on the first call), and `MINFER_FUSED_CPU_OPS` is not "0"
-    (the default, `FUSED_CPU_OPS_DEFAULT`, is on)."""
-    flag = os.environ.get("MINFER_FUSED_CPU_OPS", "1" if requested else FUSED_CPU_OPS_DEFAULT)
-    if device.type != "cpu" or dtype != torch.float32 or flag == "0":
-        return False
-    from minfer.model.fused_cpu import fused_cpu_available
-
-    return fused_cpu_available()
-
-
 def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", device: str | torch.device | None = None,
                max_model_len: int | None = None, source: ModelSource | None = None,
                fused_ops: bool | str = "auto", linear_method: LinearMethodBase | None = None,
                quantization: str | None = None, quantization_config: dict | str | None = None,
-               max_parallel_loading_workers: int | None = None) -> LoadedModel:
+               max_parallel_loading_workers: int | None = None, kernels: str = "auto") -> LoadedModel:
     """Load a model by name (see `minfer.model.sources.resolve_model`) onto `device` in `dtype`.
 
     Args:
-        fused_ops: build RMSNorm, SiLU-and-mul and RoPE as fused kernels: "triton" (or True) the Triton ones
-            (the Triton backend); "cpu" the C++ loops of `minfer.model.fused_cpu` where they apply (a float32
-            model on the CPU whose kernels build, and `MINFER_FUSED_CPU_OPS` is not "0"), else plain torch;
-            "auto" (the default, the worker's too) the same (on unless `MINFER_FUSED_CPU_OPS=0`,
-            `FUSED_CPU_OPS_DEFAULT`); False plain torch. One default for the engine and for any model
-            loaded here, so both compute with the same ops (the loops are batch-invariant: a row's result does
-            not depend on the batch, `csrc/fused_cpu.cpp`).
-        linear_method: how every Linear stores and multiplies its weight; default
-            `default_linear_method(device, dtype)` (the fastest CPU layout, or "nn" on a GPU).
+        fused_ops: build RMSNorm, SiLU-and-mul and RoPE as fused kernels: "auto" (the default, the worker's
+            too) what the platform picks (`minfer.platform`: on a CPU with kernels="auto" the C++ loops of the
+            CPU wing for a float32 model whose kernels build, else plain torch); "triton" (or True) the Triton
+            ones (the Triton backend); "cpu" the C++ loops where they apply (float32 on a CPU, kernels="auto"),
+            else plain torch; False plain torch. One default for the engine and for any model loaded here, so
+            both compute with the same ops (the loops are batch-invariant: a row's result does not depend on
+            the batch; the C++ source says how).
+        linear_method: how every Linear stores and multiplies its weight; default the platform's
+            (`Platform.linear_method`: the fastest CPU layout, "nn" on a GPU or with kernels="reference").
+        kernels: "auto" or "reference" (`EngineArgs.kernels`, `minfer.platform`): the platform's choices of
+            the Linear layout, the quantized methods' CPU kernels and the fused ops.
         quantization, quantization_config: a weight-quantization method of `minfer.quantization` and its
             settings; the layers it keeps in float (the tied LM head) use `linear_method`. "gguf" reads a
             GGUF file's Q4_0/Q4_1 blocks as stored instead of the dequantized float32 cache. A directory whose
@@ -381,16 +362,21 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
             f"max_position_embeddings, times the rope_scaling factor if any); positions beyond it were never "
             "trained. Lower max_model_len, or load a checkpoint whose config extends the context.")
     dtype_ = resolve_dtype(dtype, ckpt_dtype, device)
-    linear_method = linear_method or default_linear_method(device, dtype_)
+    platform = get_platform(kernels, device, dtype_)
+    linear_method = linear_method or platform.linear_method()
     if quantization in SAVED_METHODS:
         if quantization_config:
             raise ValueError(f"quantization_config={quantization_config!r}: a saved {quantization} directory "
                              "takes its settings from its config.json")
-        linear_method = PrequantizedLinearMethod(quantization, fallback=linear_method)
+        linear_method = PrequantizedLinearMethod(quantization, fallback=linear_method,
+                                                 **platform.quantization_options())
     elif quantization not in (None, "none"):
-        linear_method = get_quantization_method(quantization, quantization_config, fallback=linear_method)
-    if fused_ops in ("cpu", "auto"):
-        fused_ops = "cpu" if use_fused_cpu(device, dtype_, requested=fused_ops == "cpu") else False
+        linear_method = get_quantization_method(quantization, quantization_config, fallback=linear_method,
+                                                **platform.quantization_options())
+    if fused_ops == "auto":
+        fused_ops = platform.fused_ops()
+    elif fused_ops == "cpu":
+        fused_ops = platform.fused_ops() == "cpu" and "cpu"
     build = BuildOptions(linear_method=linear_method, fused_ops=fused_ops)
     # Position tables (RoPE's cos/sin) cover the positions the engine will use, max_model_len, not every
     # position the config names: 10^8 of them were a 3.2 GB table under max_model_len=256.

@@ -106,7 +106,7 @@ class RotaryEmbedding(nn.Module):
     cos/sin are tabulated once up to `max_positions` (float32), so a decode step only gathers rows.
     Dynamic NTK recomputes frequencies from the largest position in the forward, as transformers does.
     `fused="triton"` (or True) rotates q and k in place with the Triton kernel `minfer.kernels.apply_rotary_`,
-    `fused="cpu"` with the C++ loop of `minfer.model.fused_cpu` (the same contract).
+    `fused="cpu"` with the C++ loop of `minfer.cpu.fused_ops` (the same contract).
     """
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_position_embeddings: int,

@@ -20,18 +20,20 @@ from minfer.config import (CONFIG_KEYS, INT4_GROUP_SIZES, NOT_BUILT_METHODS, QUA
 
 
 def get_quantization_method(quantization: str, config: dict | str | None,
-                            fallback: LinearMethodBase) -> LinearMethodBase:
+                            fallback: LinearMethodBase, cpu_kernel=None) -> LinearMethodBase:
     """The `LinearMethod` for `quantization` with `config`; `fallback` runs the layers kept in float (the
-    tied LM head). Raises ValueError as `parse_quantization_config`."""
+    tied LM head); `cpu_kernel` the CPU wing's integer GEMMs the platform hands over (kernels="auto"), None
+    for the torch routes only. Raises ValueError as `parse_quantization_config`."""
     config = parse_quantization_config(quantization, config)
     if quantization == "int8":
         from minfer.quantization.int8 import Int8LinearMethod
 
-        return Int8LinearMethod(fallback=fallback)
+        return Int8LinearMethod(fallback=fallback, cpu_kernel=cpu_kernel)
     if quantization == "int4":
         from minfer.quantization.int4 import DEFAULT_GROUP_SIZE, Int4LinearMethod
 
-        return Int4LinearMethod(group_size=config.get("group_size", DEFAULT_GROUP_SIZE), fallback=fallback)
+        return Int4LinearMethod(group_size=config.get("group_size", DEFAULT_GROUP_SIZE), fallback=fallback,
+                                cpu_kernel=cpu_kernel)
     from minfer.quantization.gguf import GGUFLinearMethod
 
-    return GGUFLinearMethod(fallback=fallback, kernel=config.get("kernel", "blocks"))
+    return GGUFLinearMethod(fallback=fallback, kernel=config.get("kernel", "blocks"), cpu_kernel=cpu_kernel)

@@ -1,7 +1,8 @@
 """What the weight-quantization methods share: a `LinearMethod` that loads the checkpoint's float weight,
 quantizes it once in `process_weights_after_loading`, and then runs one route per device:
 
-- on the CPU (where the C++ kernel builds): the integer GEMM of `minfer.quantization.qgemm` at EVERY batch
+- on the CPU (kernels="auto", where the C++ kernel builds): the CPU wing's integer GEMM (`minfer.cpu.qgemm`, handed
+  over as `cpu_kernel` by the platform) at EVERY batch
   size. The codes are packed once at load into its tiled layout (the same bytes: 1 or 0.5 byte per weight
   plus the scales), the activations are quantized per call to int8 blocks of 32, and a register-tiled
   micro-kernel sums u8 x s8 products (AVX-512 VNNI or AVX2). One code path for every T keeps a row's result
@@ -9,7 +10,7 @@ quantizes it once in `process_weights_after_loading`, and then runs one route pe
   SmolLM2's shapes (chapter 5 §5.3, assets/benchmarks/qgemm_kernel_cpu.json): 2.5-5.4x faster at 16-2048 rows
   on 2 cores, and reading 4-7x fewer bytes at 1 row. The price is the activation rounding to 8 bits per block
   of 32 (chapter 5 §5.9 measures the perplexity: int8 +0.31% against float32).
-- where the kernel does not build (no compiler, MINFER_CPU_KERNELS=0): the older routes, torch's packed CPU
+- where the kernel does not build (no compiler), or with kernels="reference": the older routes, torch's packed CPU
   ops on bfloat16 activations at <= `kernel_max_rows` rows, else one dequantize + `F.linear` with the same
   bfloat16 roundings;
 - other devices: `device_kernel` (dequantize + `F.linear`; int4's Triton W4A16 kernel on a GPU).
@@ -29,7 +30,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from minfer.model.linear_method import LinearMethodBase, UnquantizedLinearMethod
-from minfer.quantization.qgemm import PackedWeight, dequantize_rows, qgemm_available, qgemm_unchecked
 
 # Where the integer GEMM does not build: most rows that take torch's packed ops; above, the dequantize route.
 # Measured crossover on 2 cores between 4 and 16 rows for SmolLM2's shapes.
@@ -43,14 +43,15 @@ class QuantizedLinearMethod(LinearMethodBase):
         fallback: the method of the layers left in float (the tied head), e.g. the CPU's "hybrid" layout.
         kernel_max_rows: without the integer GEMM, most rows per call that take the packed-op route (0: always
             dequantize).
-        cpu_kernel: pack CPU layers for the integer GEMM (`minfer.quantization.qgemm`) where it builds (False:
-            the older torch routes only).
+        cpu_kernel: the CPU wing's integer GEMM (`minfer.cpu.linear.CpuQuantKernels`, handed over by the
+            platform under kernels="auto"): CPU layers are packed for it where it builds. None (the default,
+            and kernels="reference"): the torch routes only.
     """
 
     name = "quantized"
 
     def __init__(self, fallback: LinearMethodBase | None = None, kernel_max_rows: int = KERNEL_MAX_ROWS,
-                 cpu_kernel: bool = True):
+                 cpu_kernel=None):
         self.fallback = fallback or UnquantizedLinearMethod()
         self.kernel_max_rows = kernel_max_rows
         self.cpu_kernel = cpu_kernel
@@ -69,9 +70,9 @@ class QuantizedLinearMethod(LinearMethodBase):
         """`x2 [T, in]` -> `[T, out]` float by the packed op (the kernel route)."""
 
     @abc.abstractmethod
-    def pack_for_cpu(self, layer) -> PackedWeight | None:
-        """The layer's codes and scales (the method's own buffers) -> the integer GEMM's `PackedWeight`, or
-        None where this layer cannot take it."""
+    def pack_for_cpu(self, layer):
+        """The layer's codes and scales (the method's own buffers) -> the integer GEMM's `PackedWeight`
+        (`self.cpu_kernel.pack`), or None where this layer cannot take it."""
 
     # Buffers of the method's own layout that the packed copy replaces (dropped after packing).
     unpacked_buffers: tuple[str, ...] = ()
@@ -81,7 +82,7 @@ class QuantizedLinearMethod(LinearMethodBase):
         drop the method's own layout (the same bytes are kept once). Sets `layer.qg_format` (None: not packed)."""
         layer.qg_format = None
         device = getattr(layer, self.unpacked_buffers[0]).device
-        if not (self.cpu_kernel and device.type == "cpu" and qgemm_available()):
+        if not (self.cpu_kernel and device.type == "cpu" and self.cpu_kernel.available()):
             return
         w = self.pack_for_cpu(layer)
         if w is None:
@@ -89,9 +90,7 @@ class QuantizedLinearMethod(LinearMethodBase):
         for name in self.unpacked_buffers:
             if hasattr(layer, name):
                 delattr(layer, name)
-        for name, t in w.tensors().items():
-            store(layer, name, t)
-        layer.qg_format = (w.bits, w.offset, w.bf16, w.group, w.n, w.k)
+        self.cpu_kernel.store(layer, w)
 
     def device_kernel(self, layer, x2: torch.Tensor) -> torch.Tensor:
         """`x2 [T, in]` on a GPU (or any non-CPU device) -> `[T, out]` in x2's dtype. Default: dequantize to
@@ -117,7 +116,7 @@ class QuantizedLinearMethod(LinearMethodBase):
             return self.fallback.apply(layer, x)
         x2 = x.reshape(-1, layer.in_features)
         if getattr(layer, "qg_format", None) is not None and x2.device.type == "cpu":
-            y = qgemm_unchecked(x2, packed(layer)).to(x.dtype)
+            y = self.cpu_kernel.matmul(layer, x2).to(x.dtype)
         elif x2.device.type != "cpu":
             y = self.device_kernel(layer, x2)
         elif x2.shape[0] <= self.kernel_max_rows:
@@ -132,18 +131,20 @@ class QuantizedLinearMethod(LinearMethodBase):
             y = y + layer.bias
         return y.view(*x.shape[:-1], layer.out_features)
 
+    def fused_step_weight(self, layer):
+        """The integer GEMM's `PackedWeight` of a packed layer without bias whose forward is this class's
+        `apply` (one kernel call), else None."""
+        if (layer.bias is not None or not layer.quantized or getattr(layer, "qg_format", None) is None
+                or type(self).apply is not QuantizedLinearMethod.apply):
+            return None
+        return self.cpu_kernel.packed(layer)
+
     def weight_rows(self, layer, ids: torch.Tensor) -> torch.Tensor:
         if not layer.quantized:
             return self.fallback.weight_rows(layer, ids)
         if getattr(layer, "qg_format", None) is not None:  # only the rows asked for are expanded
-            return dequantize_rows(packed(layer), ids)
+            return self.cpu_kernel.dequantize_rows(layer, ids)
         return self.dequantize(layer, torch.float32)[ids]
-
-
-def packed(layer) -> PackedWeight:
-    """The `PackedWeight` over a layer's `qg_*` buffers (built per call: a buffer moved by `.to()` is seen)."""
-    bits, offset, bf16, group, n, k = layer.qg_format
-    return PackedWeight(layer.qg_qs, layer.qg_d, getattr(layer, "qg_m", None), bits, offset, bf16, group, n, k)
 
 
 def store(layer: nn.Module, name: str, t: torch.Tensor) -> None:

@@ -121,10 +121,10 @@ class PrequantizedLinearMethod(GGUFLinearMethod):
 
     name = "prequantized"
 
-    def __init__(self, method: str, fallback: LinearMethodBase | None = None):
-        super().__init__(fallback=fallback)
+    def __init__(self, method: str, fallback: LinearMethodBase | None = None, cpu_kernel=None):
+        super().__init__(fallback=fallback, cpu_kernel=cpu_kernel)
         self.name = method
-        self.int8 = Int8LinearMethod(fallback=self.fallback)
+        self.int8 = Int8LinearMethod(fallback=self.fallback, cpu_kernel=cpu_kernel)
 
     def process_weights_after_loading(self, layer) -> None:
         parts = [layer.gguf_parts[i] for i in range(len(layer.output_sizes))]

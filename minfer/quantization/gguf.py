@@ -15,7 +15,7 @@ llama.cpp's blocks (ggml-common.h; q are the stored codes):
 Three routes. The default, for Q4_0, Q4_1 and Q8_0 (SmolLM2-135M's file is all Q4_1 with a Q8_0 embedding/head),
 where the C++ kernel builds:
 
-- **blocks** (`minfer.quantization.qgemm`, chapter 5 §5.3): the file's codes and float16 scales, packed once
+- **blocks** (`minfer.cpu.qgemm`, chapter 5 §5.3): the file's codes and float16 scales, packed once
   into the register-tiled integer GEMM's layout (`gguf_matmul.pack_gguf`: the same bytes per weight), times
   float32 activations that the kernel quantizes to int8 blocks of 32 per call (llama.cpp's method: integer
   dot products, one float multiply-add per block). Bytes read per token = the file's. The activation
@@ -23,9 +23,9 @@ where the C++ kernel builds:
   the CPU (a register tile of 4 rows x 32 columns: faster than float32 sgemm at every T measured, and one
   code path keeps a row's logits independent of the batch); other devices dequantize + `F.linear`. A tied
   head in one of these types (SmolLM2's Q8_0 head) stays packed too: the embedding expands only the rows it
-  looks up (`qgemm.dequantize_rows`, gguf's numbers exactly).
+  looks up (`CpuQuantKernels.dequantize_rows`, gguf's numbers exactly).
 
-`quantization_config={"kernel": "torch"}` (or a machine without a C++ compiler) takes the two older routes,
+`quantization_config={"kernel": "torch"}` (or kernels="reference", or a machine without a C++ compiler) takes the two older routes,
 each exact up to a stated rounding, which also run the types the kernel does not (Q4_K, Q5_0, Q6_K):
 
 - **int4 op** (`minfer.quantization.int4`, w = (q - 8) s + z, groups of 32): Q4_0 is s = d, z = 0; Q4_1 is
@@ -34,7 +34,7 @@ each exact up to a stated rounding, which also run the types the kernel does not
   keeps s and z in bfloat16, so they are rounded from float32 to bfloat16's 8 significant bits: each weight
   moves by at most 2^-8 of its group's 8 |s| + |z| (`tests/test_quant.py` measures it against gguf's own
   dequantization).
-- **int8 codes with group scales** (`minfer.quantization.int8_group`, w = q s): Q8_0 is q, s = d (groups of
+- **int8 codes with group scales** (`minfer.cpu.int8_group`, w = q s): Q8_0 is q, s = d (groups of
   32); Q5_0 is q - 16, s = d (32); Q6_K is q - 32, s = d sc_j (16). float32 scales, so this route is exact:
   the codes times the scales are gguf's dequantized weights bit for bit (checked at load). It costs 1 byte
   per weight plus 4 per group (1.125 and 1.25 bytes per weight) where the file has 8.5, 5.5 and 6.56 bits.
@@ -61,11 +61,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from minfer.model.linear_method import LinearMethodBase, UnquantizedLinearMethod
-from minfer.quantization.base import KERNEL_MAX_ROWS, packed, store
-from minfer.quantization.gguf_matmul import KERNEL_TYPES, pack_gguf, repack_blocks
-from minfer.quantization.qgemm import dequantize_rows, qgemm_available, qgemm_unchecked
+from minfer.quantization.base import KERNEL_MAX_ROWS, store
 from minfer.quantization.int4 import Int4LinearMethod
-from minfer.quantization.int8_group import (Int8GroupKernelUnavailable, dequantize_int8_group, int8_group_matmul)
 
 BLOCK = 32
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
@@ -108,6 +105,13 @@ def _k_scales(sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     lo = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], dim=-1)
     mn = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], dim=-1)
     return lo.float(), mn.float()
+
+
+def dequantize_int8_group(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(qweight int8 [out, in], scale [out, in/G]) -> `[out, in]` in `dtype` (computed in float32): w = q s."""
+    out, k = qweight.shape
+    g = scale.shape[1]
+    return (qweight.view(out, g, k // g).float() * scale.float()[..., None]).reshape(out, k).to(dtype)
 
 
 def decode_int8_group_blocks(raw: torch.Tensor, ggml_type: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,18 +206,24 @@ class GGUFLinearMethod(LinearMethodBase):
             int4 op and int8 codes only).
         kernel_max_rows: most rows per call that the int8-group C++ kernel takes; more go through one
             dequantize + `F.linear` (chapter 5 measures the crossover).
+        cpu_kernel: the CPU wing's integer GEMMs (`minfer.cpu.linear.CpuQuantKernels`, from the platform under
+            kernels="auto"); None (the default, and kernels="reference"): no C++ kernel at all (the "torch"
+            routes, and int8 codes by dequantize + `F.linear`).
     """
 
     name = "gguf"
 
     def __init__(self, fallback: LinearMethodBase | None = None, kernel_max_rows: int = INT8_GROUP_KERNEL_MAX_ROWS,
-                 kernel: str = "blocks"):
+                 kernel: str = "blocks", cpu_kernel=None):
         if kernel not in ("blocks", "torch"):
             raise ValueError(f"gguf kernel must be 'blocks' or 'torch', got {kernel!r}")
+        kernel = kernel if cpu_kernel else "torch"
         self.fallback = fallback or UnquantizedLinearMethod()
-        self.int4 = Int4LinearMethod(group_size=BLOCK, fallback=self.fallback, cpu_kernel=kernel == "blocks")
+        self.int4 = Int4LinearMethod(group_size=BLOCK, fallback=self.fallback,
+                                     cpu_kernel=cpu_kernel if kernel == "blocks" else None)
         self.kernel_max_rows = kernel_max_rows
         self.kernel = kernel
+        self.cpu_kernel = cpu_kernel
 
     def create_weights(self, layer, in_features: int, output_sizes: list[int], bias: bool) -> None:
         out = sum(output_sizes)
@@ -241,14 +251,12 @@ class GGUFLinearMethod(LinearMethodBase):
         parts = [layer.gguf_parts[i] for i in range(len(layer.output_sizes))]
         layer.gguf_parts = {}
         types = {getattr(p, "ggml_type", "float") for p in parts}
-        if len(types) == 1 and types <= set(KERNEL_TYPES) and self.kernel == "blocks" and qgemm_available():
+        k = self.cpu_kernel
+        if self.kernel == "blocks" and len(types) == 1 and types <= set(k.gguf_types) and k.available():
             layer.ggml_type = types.pop()
             layer.model_dtype = layer.weight.dtype  # the model's dtype (the placeholder was built in it)
             del layer.weight
-            w = pack_gguf([repack_blocks(p, p.ggml_type) for p in parts], layer.ggml_type)
-            for name, t in w.tensors().items():
-                store(layer, name, t)
-            layer.qg_format = (w.bits, w.offset, w.bf16, w.group, w.n, w.k)
+            k.store(layer, k.pack_gguf(parts, layer.ggml_type))
             layer.quantized, layer.gguf_route = True, "blocks"
             return
         if types <= set(INT4_TYPES) and not layer.keep_rows:
@@ -278,9 +286,9 @@ class GGUFLinearMethod(LinearMethodBase):
         if layer.gguf_route == "blocks":
             x2 = x.reshape(-1, layer.in_features)
             if x2.device.type == "cpu":
-                y = qgemm_unchecked(x2, packed(layer)).to(x.dtype)
+                y = self.cpu_kernel.matmul(layer, x2).to(x.dtype)
             else:
-                y = F.linear(x2, dequantize_rows(packed(layer), dtype=x.dtype))
+                y = F.linear(x2, self.cpu_kernel.dequantize_rows(layer, dtype=x.dtype))
             if layer.bias is not None:
                 y = y + layer.bias
             return y.view(*x.shape[:-1], layer.out_features)
@@ -290,20 +298,29 @@ class GGUFLinearMethod(LinearMethodBase):
         y = None
         # The tied head always takes the kernel: expanding its 49,152 x 576 codes per call costs more than
         # the kernel at any batch (measured), and one code path for every batch keeps its logits batch-invariant.
-        if x2.device.type == "cpu" and (x2.shape[0] <= self.kernel_max_rows or layer.keep_rows):
-            try:
-                y = int8_group_matmul(x2, layer.qweight, layer.scales).to(x.dtype)
-            except Int8GroupKernelUnavailable:
-                y = None  # no compiler here: the dequantize route computes the same product
+        if x2.device.type == "cpu" and self.cpu_kernel and (x2.shape[0] <= self.kernel_max_rows or layer.keep_rows):
+            y = self.cpu_kernel.int8_group_matmul(x2, layer.qweight, layer.scales)  # None: no compiler here
+            y = None if y is None else y.to(x.dtype)  # (then the dequantize route computes the same product)
         if y is None:
             y = F.linear(x2, dequantize_int8_group(layer.qweight, layer.scales, x.dtype))
         if layer.bias is not None:
             y = y + layer.bias
         return y.view(*x.shape[:-1], layer.out_features)
 
+    def fused_step_weight(self, layer):
+        """The integer GEMM's `PackedWeight` of a "blocks" layer (or an "int4" one, through the int4 method)
+        without bias, where the forward is this class's `apply`; else None."""
+        if layer.bias is not None or type(self).apply is not GGUFLinearMethod.apply:
+            return None
+        if layer.gguf_route == "int4":
+            return self.int4.fused_step_weight(layer)
+        if layer.gguf_route != "blocks" or getattr(layer, "qg_format", None) is None:
+            return None
+        return self.cpu_kernel.packed(layer)
+
     def weight_rows(self, layer, ids: torch.Tensor) -> torch.Tensor:
         if layer.gguf_route == "blocks":  # only the rows asked for are expanded (gguf's numbers exactly)
-            return dequantize_rows(packed(layer), ids, layer.model_dtype)
+            return self.cpu_kernel.dequantize_rows(layer, ids, layer.model_dtype)
         if layer.gguf_route == "int8_group":  # only the rows asked for are expanded
             return dequantize_int8_group(layer.qweight[ids], layer.scales[ids]).to(layer.model_dtype)
         return (self.int4 if layer.quantized else self.fallback).weight_rows(layer, ids)

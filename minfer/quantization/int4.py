@@ -16,7 +16,7 @@ must be a multiple of it, else loading stops with a ValueError that names the la
 hidden size 576 is 4.5 groups of 128, so `group_size=128` is refused for it (64 and 32 work). No silent
 fallback to another group size: the quality and the bytes per weight would not be what was asked for.
 
-Stored on a CPU where the C++ kernel builds: the integer GEMM's tiles (`minfer.quantization.qgemm`: w =
+Stored on a CPU where the C++ kernel builds: the integer GEMM's tiles (`minfer.cpu.qgemm`: w =
 (q - 8) s + z with s and z bfloat16 per group; 0.5 + 4/G bytes per weight), which every batch size runs
 (activations quantized to int8 blocks of 32; `minfer.quantization.base`). Elsewhere: `qweight uint8 [out,
 in/2]` in the op's packed layout (for `out % 64 == 0`: blocks of 64 rows, byte `[b, k, i]` = row 64b+i in
@@ -30,8 +30,7 @@ from __future__ import annotations
 import torch
 
 from minfer.config import INT4_GROUP_SIZES
-from minfer.quantization.base import QuantizedLinearMethod, packed, store
-from minfer.quantization.qgemm import dequantize_rows, pack, unpack_rows
+from minfer.quantization.base import QuantizedLinearMethod, store
 
 DEFAULT_GROUP_SIZE = 64
 
@@ -142,19 +141,19 @@ class Int4LinearMethod(QuantizedLinearMethod):
         if layer.group_size % 32 or sz.dtype != torch.bfloat16:
             return None
         codes = layer.pending_codes if layer.pending_codes is not None else self.codes(layer)
-        return pack(codes, sz[..., 0], sz[..., 1], 4, offset=8)
+        return self.cpu_kernel.pack(codes, sz[..., 0], sz[..., 1], 4, offset=8)
 
     def scales_and_zeros(self, layer) -> torch.Tensor:
         """`[in/G, out, 2]` bfloat16 (s, z) of either layout."""
         if getattr(layer, "qg_format", None) is None:
             return layer.scales_and_zeros
-        w = packed(layer)
+        w = self.cpu_kernel.packed(layer)
         ids = torch.arange(w.n)
         return torch.stack([w.d[ids // 16, :, ids % 16], w.m[ids // 16, :, ids % 16]], dim=-1).transpose(0, 1)
 
     def codes(self, layer) -> torch.Tensor:
         if getattr(layer, "qg_format", None) is not None:
-            return unpack_rows(packed(layer), torch.arange(layer.qg_format[4]))[0].to(torch.uint8)
+            return self.cpu_kernel.unpack_rows(layer, torch.arange(layer.qg_format[4]))[0].to(torch.uint8)
         if layer.int4_packed:
             return unpack_int4(layer.qweight)
         q = layer.qweight
@@ -162,7 +161,7 @@ class Int4LinearMethod(QuantizedLinearMethod):
 
     def dequantize(self, layer, dtype: torch.dtype) -> torch.Tensor:
         if getattr(layer, "qg_format", None) is not None:
-            return dequantize_rows(packed(layer), dtype=dtype)
+            return self.cpu_kernel.dequantize_rows(layer, dtype=dtype)
         sz = layer.scales_and_zeros.transpose(0, 1)  # [out, in/G, 2]
         return dequantize_int4(self.codes(layer), sz[..., 0], sz[..., 1], dtype)
 

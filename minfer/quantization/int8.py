@@ -6,7 +6,7 @@ without its outliers, Dettmers et al. 2022; vLLM's W8A16).
 
 The scale is stored in bfloat16, rounded up so that no code needs clamping, and the codes are computed with
 the stored scale, so the bound above holds for what is stored. Stored on a CPU where the C++ kernel builds:
-the integer GEMM's tiles (`minfer.quantization.qgemm`, one scale group = the whole row; 1 byte per weight),
+the integer GEMM's tiles (`minfer.cpu.qgemm`, one scale group = the whole row; 1 byte per weight),
 which every batch size runs (activations quantized to int8 blocks of 32; `minfer.quantization.base`).
 Elsewhere: `qweight int8 [out, in]` and `scales bfloat16 [out]`, for `torch.ops.aten._weight_int8pack_mm(x
 bf16 [T, in], qweight, scales) -> [T, out]` or a dequantize + `F.linear`.
@@ -17,8 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from minfer.quantization.base import QuantizedLinearMethod, packed, store
-from minfer.quantization.qgemm import dequantize_rows, pack
+from minfer.quantization.base import QuantizedLinearMethod, store
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,11 +51,11 @@ class Int8LinearMethod(QuantizedLinearMethod):
         s = layer.scales
         if s.dtype not in (torch.bfloat16, torch.float16) or layer.qweight.shape[1] % 32:
             return None  # a float32 scale would be rounded; a width the kernel's blocks do not cover
-        return pack(layer.qweight, s.reshape(-1, 1), None, 8)
+        return self.cpu_kernel.pack(layer.qweight, s.reshape(-1, 1), None, 8)
 
     def dequantize(self, layer, dtype: torch.dtype) -> torch.Tensor:
         if getattr(layer, "qg_format", None) is not None:
-            return dequantize_rows(packed(layer), dtype=dtype)
+            return self.cpu_kernel.dequantize_rows(layer, dtype=dtype)
         return dequantize_int8(layer.qweight, layer.scales, dtype)
 
     def kernel(self, layer, x2: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import re
 import sys
 from dataclasses import fields
 
-from minfer.config import ATTENTION_BACKENDS, DEFAULT_MODEL, EngineArgs
+from minfer.config import ATTENTION_BACKENDS, DEFAULT_MODEL, KERNELS, EngineArgs
 from minfer.serve.limits import ServerLimits
 from minfer.serve.router import ROUTER_POLICIES
 
@@ -102,7 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--preemption-mode", choices=["recompute", "swap"], default=d["preemption_mode"],
       help="what to do with a preempted sequence's KV (default: recompute, or swap if --swap-space > 0)")
     a("--enforce-eager", action=argparse.BooleanOptionalAction, default=d["enforce_eager"],
-      help=f"no graph capture; minfer always runs eagerly (default: {d['enforce_eager']})")
+      help="every step through the model, op by op: no step runner (no one-call CPU decode, no CUDA graphs) "
+           f"(default: {d['enforce_eager']})")
+    a("--kernels", choices=list(KERNELS), default=d["kernels"],
+      help="auto: the fastest kernels this device has (on a CPU the minfer/cpu/ wing); reference: the path the "
+           "chapters teach, plain PyTorch model code, torch attention and sampler, no C++ "
+           f"(default: {d['kernels']})")
     a("--attention-backend", choices=list(ATTENTION_BACKENDS), default=d["attention_backend"],
       help="auto: the C++ paged decode kernel for float32 on the CPU, else torch; torch: the plain-torch "
            "reference; cpu: the C++ kernel or an error; triton: the Triton kernels (default: "
@@ -213,7 +218,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
         preemption_mode=args.preemption_mode,
         attention_backend="triton" if args.enable_flash_attn else args.attention_backend,
-        enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
+        enforce_eager=args.enforce_eager, kernels=args.kernels, tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size, data_parallel_size=args.data_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend, quantization=args.quantization,
         quantization_config=args.quantization_config,

@@ -7,8 +7,8 @@ exponential noise tensor, divide, argmax), each reading and writing `[B, V]` flo
 inverse-CDF draw per row in its own cache-resident scratch: top-k is one `nth_element` (O(V)), top-p a
 partial sort that grows only until the mass reaches p, and the draw needs one uniform number a row
 (`u`), not one exponential a token. It can also return the drawn token's logprob under the raw logits.
-It is built by `minfer.attention.cpu.load_cpu_library` like the other C++ kernels (MINFER_CPU_KERNELS=0
-turns it off).
+It is built by `minfer.cpu.build` like the other C++ kernels; `kernels="reference"` leaves it out
+(`minfer.platform`).
 
 `CpuFusedSampler` is the engine's sampler on the CPU when the kernel builds (`minfer/worker.py`). Greedy rows
 are the same argmax (lowest index on ties) as torch's, so greedy output is token-for-token unchanged.
@@ -19,46 +19,26 @@ reproducible and independent of the batch, yet differ from the torch Sampler's.
 
 from __future__ import annotations
 
-import ctypes
-import functools
-from pathlib import Path
 
 import torch
 
-from minfer.attention.cpu import load_cpu_library
+from minfer.cpu.build import I32, I64, PTR, CppLibrary, KernelUnavailable
+
 from minfer.sampling import Sampler, apply_logits_processors
 
-SOURCE = Path(__file__).with_name("csrc") / "sampler_cpu.cpp"
 # -ffast-math lets gcc vectorize the exp loops (glibc's libmvec); -inf only meets comparisons, never math.
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 
-class CpuSamplerUnavailable(RuntimeError):
+class CpuSamplerUnavailable(KernelUnavailable):
     """The C++ sampler could not be built or loaded here (the message says why)."""
 
 
-@functools.cache
-def _library() -> ctypes.CDLL:
-    """Build (once per source version and kind of CPU) and load the kernel.
-
-    Raises:
-        CpuSamplerUnavailable: disabled by MINFER_CPU_KERNELS=0, or the build or load failed.
-    """
-    lib = load_cpu_library(SOURCE, "minfer_sampler_cpu", CFLAGS, CpuSamplerUnavailable)
-    f = lib.minfer_sample_f32
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    f.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
-    f.restype = None
-    return lib
-
-
-def cpu_sampler_available() -> bool:
-    """True when the C++ sampler is built and loadable on this machine (builds it on first call)."""
-    try:
-        _library()
-        return True
-    except CpuSamplerUnavailable:
-        return False
+LIBRARY = CppLibrary("minfer_sampler_cpu", "sampler_cpu.cpp", CFLAGS, {
+    "minfer_sample_f32": ([PTR, PTR, PTR, I64, I64, I64, PTR, PTR, PTR, PTR, PTR, PTR, PTR, I32], None),
+}, CpuSamplerUnavailable)
+_library = LIBRARY.load
+cpu_sampler_available = LIBRARY.available
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -6,7 +6,7 @@ calls SDPA, so every K/V byte crosses the memory bus three times; in a wide deco
 the attention time. `csrc/paged_decode_cpu.cpp` walks the block table itself (vLLM's PagedAttention idea,
 Kwon et al. 2023, on a CPU): each byte is read once, and the query heads that share a K/V head (GQA) are
 done together. It is about 100 lines of plain C++ with OpenMP; this module builds it with torch's
-extension builder (`torch.utils.cpp_extension.load`: ninja, a build cache, a lock between processes)
+extension builder)
 and calls it through `ctypes` with the tensors' data pointers, so the C++ needs no torch headers and builds
 in about a second.
 
@@ -15,118 +15,58 @@ prefill (one sequence's causal attention) on `csrc/prefill_cpu.cpp` where that a
 float32, no ALiBi or short window; chapter 9 §9.2.6), as `CpuContiguousBackend`'s. It also reads a quantized pool (`kv_cache_dtype` int8 / fp8, `minfer.attention.kv_quant`): the
 codes in place, with their per-token scales (`minfer_paged_decode_q8`). The engine uses it by default for float32 on the CPU when the kernel builds (`attention_backend="auto"`), and falls
 back to the torch reference, with one warning, when it does not (no C++ compiler, no ninja, a platform
-whose compiler lacks OpenMP). `MINFER_CPU_KERNELS=0` turns it off.
+whose compiler lacks OpenMP). `kernels="reference"` (`minfer.platform`) leaves it out.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from minfer.attention.base import Attention, ForwardContext
 from minfer.attention.kv_quant import KVCacheSpec, code_table
 from minfer.attention.torch_ref import ContiguousBackend, PagedTorchBackend
+from minfer.cpu.build import F32, I32, I64, PTR, CppLibrary, KernelUnavailable
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode_cpu.cpp"
 # -ffast-math lets gcc vectorize the exp loop (glibc's libmvec); the kernel never sees inf or NaN.
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 MAX_HEADS = 256  # query heads the kernel's per-item stack buffer holds (kMaxHeadsPerItem)
-
-
-PREFILL_SOURCE = Path(__file__).with_name("csrc") / "prefill_cpu.cpp"
 PREFILL_MAX_HEAD_DIM = 256  # kMaxD of prefill_cpu.cpp
 
 
-class CpuKernelUnavailable(RuntimeError):
-    """The C++ kernel could not be built or loaded here (the message says why)."""
+class CpuKernelUnavailable(KernelUnavailable):
+    """The C++ attention kernel could not be built or loaded here (the message says why)."""
 
 
-def _cpu_identity() -> str:
-    """The CPU model and its instruction-set flags: code built with -march=native for one CPU may not run on
-    another, so a home directory shared between machines gets one build per kind of CPU."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features", "CPU part"))]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        import platform
-
-        return f"{platform.machine()} {platform.processor()}"
-
-
-def load_cpu_library(source: Path, name: str, cflags: list[str], unavailable: type[Exception]) -> ctypes.CDLL:
-    """Build `source` (a C++ file of plain `extern "C"` functions) with `cflags` and load it: once per
-    checkout, source version (the file and the `*.h` headers beside it) and kind of CPU (`-march=native` code
-    is built where it runs), cached under ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR) as `name_<key>`.
-
-    Raises:
-        `unavailable`: disabled by MINFER_CPU_KERNELS=0, or the build or load failed (the message says why).
-    """
-    if os.environ.get("MINFER_CPU_KERNELS", "1") == "0":
-        raise unavailable("disabled by MINFER_CPU_KERNELS=0")
-    try:
-        from torch.utils.cpp_extension import load
-
-        # One build directory per checkout and source version, so that two checkouts (or an old and a new
-        # version) used in turn do not keep rebuilding each other's library.
-        # The headers beside the source (shared helpers, `#include "x.h"`) are part of its version.
-        text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-        key = hashlib.sha1(f"{source}\n{cflags}\n{_cpu_identity()}\n".encode() + text).hexdigest()[:12]
-        path = load(name=f"{name}_{key}", sources=[str(source)], extra_cflags=cflags,
-                    extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-        return ctypes.CDLL(path)
-    except Exception as e:  # a missing compiler/ninja shows up as many different exception types
-        raise unavailable(f"building {source.name} failed: {type(e).__name__}: {e}") from e
-
-
-@functools.cache
-def _library() -> ctypes.CDLL:
-    """Build (once per checkout and source version; cached under ~/.cache/torch_extensions, or
-    $TORCH_EXTENSIONS_DIR) and load the kernel.
-
-    Raises:
-        CpuKernelUnavailable: disabled by MINFER_CPU_KERNELS=0, or the build or load failed.
-    """
-    lib = load_cpu_library(SOURCE, "minfer_paged_decode_cpu", CFLAGS, CpuKernelUnavailable)
-    f = lib.minfer_paged_decode_f32
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    f.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64, ptr,
-                  ctypes.c_int]
-    f.restype = None
-    g = lib.minfer_paged_decode_bf16
-    g.argtypes, g.restype = f.argtypes, None
-    f = lib.minfer_paged_decode_q8
-    f.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64,
-                  ptr, ctypes.c_int]
-    f.restype = None
-    return lib
+_DECODE_ARGS = [PTR, PTR, PTR, PTR, PTR, PTR, I64, I64, I64, I64, I64, I64, F32, I64, PTR, I32]
+DECODE = CppLibrary("minfer_paged_decode_cpu", "paged_decode_cpu.cpp", CFLAGS, {
+    "minfer_paged_decode_f32": (_DECODE_ARGS, None),
+    "minfer_paged_decode_bf16": (_DECODE_ARGS, None),
+    "minfer_paged_decode_q8": ([PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, I64, I64, I64, I64, I64, I64, F32, I64,
+                                PTR, I32], None),
+}, CpuKernelUnavailable)
+PREFILL = CppLibrary("minfer_prefill_cpu", "prefill_cpu.cpp", CFLAGS, {
+    "minfer_prefill_attention_f32": ([PTR, PTR, PTR, PTR, I64, I64, I64, I64, I64, I64, I64, I64, F32, PTR, I32], I32),
+    "minfer_prefill_scratch_floats": ([I64, I64, I64], I64),
+}, CpuKernelUnavailable)
+_library = DECODE.load
+cpu_kernel_available = DECODE.available
 
 
 @functools.cache
 def _prefill_library() -> ctypes.CDLL | None:
-    """The prefill attention kernel (csrc/prefill_cpu.cpp), built once per source version and kind of CPU; None
-    where it cannot be (the callers then run torch's SDPA)."""
+    """The prefill attention kernel, or None where it cannot be built (the callers then run torch's SDPA)."""
     try:
-        lib = load_cpu_library(PREFILL_SOURCE, "minfer_prefill_cpu", CFLAGS, CpuKernelUnavailable)
+        return PREFILL.load()
     except CpuKernelUnavailable as e:
         logger.info("prefill attention runs torch's SDPA: %s", e)
         return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.minfer_prefill_attention_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64,
-                                                 ctypes.c_float, ptr, ctypes.c_int]
-    lib.minfer_prefill_attention_f32.restype = ctypes.c_int
-    lib.minfer_prefill_scratch_floats.argtypes = [i64, i64, i64]
-    lib.minfer_prefill_scratch_floats.restype = i64
-    return lib
 
 
 def attend_prefill_cpu(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -156,15 +96,6 @@ def attend_prefill_cpu(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: to
     lib.minfer_prefill_attention_f32(out.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), tq, tk, h, kvh, d,
                                      q.stride(0), k.stride(0), v.stride(0), layer.scale, scratch.data_ptr(), nt)
     return out
-
-
-def cpu_kernel_available() -> bool:
-    """True when the C++ decode kernel is built and loadable on this machine (builds it on first call)."""
-    try:
-        _library()
-        return True
-    except CpuKernelUnavailable:
-        return False
 
 
 def check_block_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, num_blocks: int,
@@ -304,6 +235,19 @@ def _code_table(dtype: torch.dtype) -> torch.Tensor:
 
 
 @dataclass
+class DecodeStepTables:
+    """What a fused decode step (`minfer.cpu.decode_step`) reads to attend as the kernel does: block tables
+    `[rows, max_blocks]` int32, context lengths `[rows]` int32, the K/V slots of the new tokens `[rows]` int64,
+    the block size (tokens) and the table width."""
+
+    block_table: torch.Tensor
+    context_lens: torch.Tensor
+    slots: torch.Tensor
+    block_size: int
+    max_blocks: int
+
+
+@dataclass
 class CpuDecodeTables:
     """The decode rows' block tables and context lengths as contiguous int32, converted (and checked) once
     per forward and shared by all layers: `block_tables [B, max_blocks]`, `context_lens [B]`."""
@@ -333,6 +277,19 @@ class CpuPagedBackend(PagedTorchBackend):
             raise CpuKernelUnavailable("the CPU kernel reads contiguous K/V (and scale) tensors in place")
         _prefill_library()  # built now (once per machine), not in the first request's prefill
         super().__init__(kv_caches, kv_scales, spec)
+
+    def decode_tables(self, ctx: ForwardContext) -> DecodeStepTables | None:
+        """A step whose every row is a decoding sequence (no prefill): its tables, as the kernel reads them;
+        None otherwise."""
+        plan = ctx.attn_metadata.decode if ctx.num_prefills == 0 and ctx.attn_metadata is not None else None
+        if not isinstance(plan, CpuDecodeTables):
+            return None
+        slots = ctx.slot_mapping
+        rows = plan.block_tables.shape[0]
+        if slots.dtype != torch.int64 or not slots.is_contiguous() or slots.shape != (rows,):
+            return None
+        return DecodeStepTables(plan.block_tables, plan.context_lens, slots, self.block_size,
+                                plan.block_tables.shape[1])
 
     def _decode_plan(self, ctx: ForwardContext) -> CpuDecodeTables:
         p = ctx.num_prefills
@@ -391,6 +348,14 @@ class CpuContiguousBackend(ContiguousBackend):
                                        f"on {device}")
         super().__init__(num_layers, max_len, num_kv_heads, head_dim, dtype, device, kv_cache_dtype)
         self._block_table = torch.zeros(1, 1, dtype=torch.int32)
+
+    def decode_tables(self, ctx: ForwardContext) -> DecodeStepTables | None:
+        """One decoding token over the contiguous cache (one block of `max_len` tokens); None otherwise."""
+        lens = ctx.attn_metadata
+        if lens is None or ctx.positions.shape[0] != 1:
+            return None
+        return DecodeStepTables(self._block_table, lens, torch.tensor([ctx.start_pos], dtype=torch.int64),
+                                self.max_len, 1)
 
     def prepare(self, ctx: ForwardContext):
         """A one-token forward: the context length `[1]` int32, shared by all layers (None for a prefill)."""

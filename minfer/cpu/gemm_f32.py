@@ -20,44 +20,26 @@ from oneDNN's and MKL's sums (other orders) by float32 rounding.
 from __future__ import annotations
 
 import ctypes
-import functools
-from pathlib import Path
 
 import torch
 
-from minfer.attention.cpu import load_cpu_library
+from minfer.cpu.build import I32, I64, PTR, CppLibrary, KernelUnavailable
 
-SOURCE = Path(__file__).with_name("csrc") / "gemm_f32_cpu.cpp"
+
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 LANES = 16  # output features per panel
 
 
-class GemmF32Unavailable(RuntimeError):
+class GemmF32Unavailable(KernelUnavailable):
     """The C++ float32 GEMM could not be built or loaded here (the message says why)."""
 
 
-@functools.cache
-def _library() -> ctypes.CDLL:
-    """Build (once per source version and kind of CPU) and load the kernel.
-
-    Raises:
-        GemmF32Unavailable: disabled by MINFER_CPU_KERNELS=0, or the build or load failed.
-    """
-    lib = load_cpu_library(SOURCE, "minfer_gemm_f32_cpu", CFLAGS, GemmF32Unavailable)
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.minfer_gemm_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr, ctypes.c_int]
-    lib.minfer_gemm_f32.restype = None
-    lib.minfer_gemm_f32_isa.argtypes, lib.minfer_gemm_f32_isa.restype = [], ctypes.c_char_p
-    return lib
-
-
-def gemm_f32_available() -> bool:
-    """True when the kernel builds and loads on this machine (builds it on the first call)."""
-    try:
-        _library()
-        return True
-    except GemmF32Unavailable:
-        return False
+LIBRARY = CppLibrary("minfer_gemm_f32_cpu", "gemm_f32_cpu.cpp", CFLAGS, {
+    "minfer_gemm_f32": ([PTR, PTR, PTR, PTR, I64, I64, I64, I64, I64, PTR, I32], None),
+    "minfer_gemm_f32_isa": ([], ctypes.c_char_p),
+}, GemmF32Unavailable)
+_library = LIBRARY.load
+gemm_f32_available = LIBRARY.available
 
 
 def isa() -> str:

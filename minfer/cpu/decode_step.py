@@ -11,42 +11,43 @@ libraries the per-op path already loaded, with the same arguments, on one scratc
 (tests/test_decode_layers_cpu.py checks hidden states and the K/V cache contents).
 
 A batched float32 decode step has the same overhead: at 16 rows SmolLM2's step took ~10 ms of Python and torch
-dispatch around ~31 ms of GEMMs (the few-row kernel of `minfer.kernels.gemm_f32_cpu`), which the one call removes
+dispatch around ~31 ms of GEMMs (the few-row kernel of `minfer.cpu.gemm_f32`), which the one call removes
 (chapter 9 §9.2.6).
 
 What it covers, decided once when the plan is built (`DecodeLayersCpu.build`, which returns None, and so the
 per-op path, for anything else):
-- a Llama-family model on the CPU in float32 with the fused CPU ops on (`BuildOptions.fused_ops == "cpu"`;
-  `MINFER_FUSED_CPU_OPS=0` turns both off);
+- a Llama-family model on the CPU in float32 with the fused CPU ops on (`BuildOptions.fused_ops == "cpu"`, the
+  platform's choice under kernels="auto");
 - every projection of every layer with no bias, either all on the integer GEMM (gguf Q4_0/Q4_1/Q8_0 blocks, gguf
   Q4_K through int4, `int4`, `int8`: steps of one token) or all float32 "panels" (the "hybrid" layout's few-row
   copy, or "panels" itself: steps of up to `PanelLinearMethod.max_rows` tokens, the rows the per-op path gives to
-  the same kernel);
+  the same kernel), as each projection's `LinearMethod.fused_step_weight` offers it;
 - no QK-norm, no sliding window, no ALiBi, one tensor-parallel rank and one pipeline stage.
 And per call (`run` returns None, and the model takes the per-op path): at most `max_rows` tokens; the attention
-backend is the C++ one (`CpuContiguousBackend` of the simple path at one token, or `CpuPagedBackend` with every
-row a decoding sequence, no prefill) over a float32 cache (a quantized KV cache is not covered); no forward hooks on the layers (a hook, e.g.
-an adapter, must see the per-op path); no autograd.
-`MINFER_DECODE_LAYERS_CPU=0` turns it off.
+backend offers the step's tables (`decode_tables`: `CpuContiguousBackend` of the simple path at one token, or
+`CpuPagedBackend` with every row a decoding sequence, no prefill) over a float32 cache (a quantized KV cache is
+not covered); no forward hooks on the layers (a hook, e.g. an adapter, must see the per-op path); no autograd.
+
+`CpuDecodeStep` is the step runner the platform hands the worker (`Worker.run_model`): token ids in, normed
+hidden states out, or None (run the model). `enforce_eager=True` or `kernels="reference"` leaves it out.
 """
 
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import functools
-import os
 import weakref
-from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "decode_layers_cpu.cpp"
+from minfer.cpu.build import I64, PTR, CppLibrary, KernelUnavailable
+from minfer.cpu.linear import Panels
+
 # It does no float arithmetic of its own (only calls and memcpy): plain optimization is enough.
 CFLAGS = ["-O2"]
 
 
-class DecodeLayersUnavailable(RuntimeError):
+class DecodeLayersUnavailable(KernelUnavailable):
     """The one-call decode library could not be built or loaded here (the message says why)."""
 
 
@@ -76,27 +77,24 @@ class _Fns(ctypes.Structure):
                 ("qgemm", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary", "paged_decode", "gemm_f32")]
 
 
+LIBRARY = CppLibrary("minfer_decode_layers_cpu", "decode_layers_cpu.cpp", CFLAGS, {
+    "minfer_decode_layers": ([PTR, PTR, I64, PTR, PTR, PTR, PTR, PTR, PTR], None),
+    "minfer_decode_layers_scratch_floats": ([PTR], I64),
+}, DecodeLayersUnavailable)
+
+
 @functools.cache
 def _library() -> tuple[ctypes.CDLL, _Fns]:
-    """Build and load the library, and the table of the kernels it calls (the per-op path's own functions).
-    Raises DecodeLayersUnavailable (disabled, or a library did not build)."""
-    from minfer.attention import cpu as attention_cpu
-    from minfer.attention.cpu import load_cpu_library
-    from minfer.kernels import gemm_f32_cpu
-    from minfer.model import fused_cpu
-    from minfer.quantization import qgemm
+    """Load the library, and the table of the kernels it calls (the per-op path's own functions).
+    Raises DecodeLayersUnavailable (a library did not build)."""
+    from minfer.cpu import attention, fused_ops, gemm_f32, qgemm
 
     try:
-        att, fused, gemm = attention_cpu._library(), fused_cpu._library(), qgemm._library()
-        f32 = gemm_f32_cpu._library()
-    except RuntimeError as e:  # CpuKernelUnavailable, FusedCpuUnavailable, QGemmUnavailable, GemmF32Unavailable
+        att, fused, gemm, f32 = attention.DECODE.load(), fused_ops.LIBRARY.load(), qgemm.LIBRARY.load(), \
+            gemm_f32.LIBRARY.load()
+    except KernelUnavailable as e:
         raise DecodeLayersUnavailable(f"a kernel library is unavailable: {e}") from e
-    lib = load_cpu_library(SOURCE, "minfer_decode_layers_cpu", CFLAGS, DecodeLayersUnavailable)
-    ptr = ctypes.c_void_p
-    lib.minfer_decode_layers.argtypes = [ptr, ptr, ctypes.c_int64, ptr, ptr, ptr, ptr, ptr, ptr]
-    lib.minfer_decode_layers.restype = None
-    lib.minfer_decode_layers_scratch_floats.argtypes = [ptr]
-    lib.minfer_decode_layers_scratch_floats.restype = ctypes.c_int64
+    lib = LIBRARY.load()
 
     def fn(f):
         return ctypes.cast(f, ctypes.c_void_p).value
@@ -107,49 +105,10 @@ def _library() -> tuple[ctypes.CDLL, _Fns]:
     return lib, fns
 
 
-@dataclasses.dataclass(frozen=True)
-class _Panels:
-    """A float32 `Linear`'s panels `[ceil(n/16), k, 16]` (`minfer.kernels.gemm_f32_cpu`), its n, and the most rows
-    its per-op forward runs on them."""
-
-    panels: torch.Tensor
-    n: int
-    max_rows: int
-
-
-def _packed_weight(linear):
-    """How the one call runs a `Linear` whose forward is exactly one kernel call (and nothing after it: no bias):
-    the integer GEMM's `PackedWeight` (steps of one token), or `(panels, max_rows)`, its float32 panels and the
-    most rows its per-op forward gives them; None for anything else."""
-    from minfer.model.linear_method import HybridLinearMethod, PanelLinearMethod
-    from minfer.quantization.base import QuantizedLinearMethod, packed
-    from minfer.quantization.gguf import GGUFLinearMethod
-
-    if getattr(linear, "bias", None) is not None:
-        return None
-    method = linear.method
-    few = linear.few_rows if type(method) is HybridLinearMethod else method
-    if type(few) is PanelLinearMethod:
-        return _Panels(linear.weight, linear.out_features, few.max_rows)
-    if not getattr(linear, "quantized", False):
-        return None
-    if type(method).apply is GGUFLinearMethod.apply:
-        route = getattr(linear, "gguf_route", None)
-        if route == "int4":  # Q4_K: the int4 method's route
-            method = method.int4
-        elif route != "blocks":
-            return None
-    if type(method).apply not in (QuantizedLinearMethod.apply, GGUFLinearMethod.apply):
-        return None
-    if getattr(linear, "qg_format", None) is None:
-        return None
-    return packed(linear)
-
-
 def _qweight(w) -> _QWeight:
-    from minfer.quantization.qgemm import BLOCK
+    from minfer.cpu.qgemm import BLOCK
 
-    if isinstance(w, _Panels):
+    if isinstance(w, Panels):
         return _QWeight(n=w.n, k=w.panels.shape[1], panels=w.panels.data_ptr())
     # The arguments `qgemm_unchecked` passes for this weight.
     return _QWeight(w.qs.data_ptr(), w.d.data_ptr(), w.m.data_ptr() if w.m is not None else None, w.bits,
@@ -175,7 +134,7 @@ class DecodeLayersCpu:
         self.hidden = layers[0].input_layernorm.weight.shape[0]
         self.inter = layers[0].mlp.gate_up_proj.out_features // 2
         # Steps of one token on the integer GEMM; on float32 panels as many as the per-op path gives them.
-        self.max_rows = min(w.max_rows if isinstance(w, _Panels) else 1 for ws in weights for w in ws)
+        self.max_rows = min(w.max_rows if isinstance(w, Panels) else 1 for ws in weights for w in ws)
         self.eps = layers[0].input_layernorm.eps
         self.layers = layers
         self.weights = weights  # keeps the PackedWeight views alive with the model
@@ -198,7 +157,8 @@ class DecodeLayersCpu:
 
     def _current_weight_ptrs(self):
         def ptr(linear):  # the tensor the table points into: the packed codes, or the float32 panels
-            return (linear.qg_qs if getattr(linear, "quantized", False) else linear.weight).data_ptr()
+            w = linear.method.fused_step_weight(linear)
+            return None if w is None else (w.panels if isinstance(w, Panels) else w.qs).data_ptr()
 
         ends = (self.layers[0], self.layers[-1])
         return tuple(p for layer in ends for p in (ptr(layer.self_attn.qkv_proj), ptr(layer.mlp.down_proj),
@@ -206,21 +166,22 @@ class DecodeLayersCpu:
 
     @classmethod
     def build(cls, model) -> "DecodeLayersCpu | None":
-        """The plan for `model` (a `LlamaModel` whose weights are loaded and packed), or None where the one call
-        does not cover it (the module docstring lists what it covers) or its library does not build here."""
+        """The plan for `model` (a `LlamaModel`, or a model with its declared `decoder_layers()` and
+        `rotary_emb`, whose weights are loaded and packed), or None where the one call does not cover it (the
+        module docstring lists what it covers) or its library does not build here."""
         from minfer.model.positions import RotaryEmbedding
         from minfer.parallel.parallel_state import get_parallel_state
 
-        if os.environ.get("MINFER_DECODE_LAYERS_CPU", "1") == "0" or getattr(model, "fused_ops", None) != "cpu":
+        if getattr(model, "fused_ops", None) != "cpu" or not hasattr(model, "decoder_layers"):
             return None
         st = get_parallel_state()
         if st.tp_size != 1 or st.pp_size != 1:
             return None
-        layers = list(model.layers[model.start_layer:model.end_layer])
+        layers = model.decoder_layers()
         rot = model.rotary_emb
         if not layers or not isinstance(rot, RotaryEmbedding) or not rot.fused:
             return None
-        from minfer.attention.cpu import MAX_HEADS
+        from minfer.cpu.attention import MAX_HEADS
 
         if layers[0].self_attn.num_heads > MAX_HEADS or rot.head_dim % 2:
             return None
@@ -230,7 +191,9 @@ class DecodeLayersCpu:
             if (att.qk_norm or att.attn.sliding_window is not None or att.attn.alibi_slopes is not None
                     or not layer.input_layernorm.fused or not layer.post_attention_layernorm.fused):
                 return None
-            ws = [_packed_weight(m) for m in (att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            # Each projection as its LinearMethod offers it to a fused step (None: its forward is more than
+            # one kernel call: a bias, another layout).
+            ws = [m.method.fused_step_weight(m) for m in (att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             if any(w is None for w in ws):
                 return None
             weights.append(ws)
@@ -265,33 +228,19 @@ class DecodeLayersCpu:
         `[T, hidden]` each, as the layer loop of `LlamaModel.forward` returns them, bit for bit; K/V stored in the
         backend's cache. None where this call does not cover the step (the module docstring): the caller then
         runs the per-op path."""
-        from minfer.attention.cpu import CpuContiguousBackend, CpuDecodeTables, CpuPagedBackend
-
         rows = x.shape[0]
         backend = ctx.attn_backend
         if (rows > self.max_rows or x.dtype != torch.float32 or not x.is_cpu or backend.kv_scales is not None
                 or torch.is_grad_enabled()):
             return None
-        if type(backend) is CpuContiguousBackend:
-            lens = ctx.attn_metadata
-            if lens is None or rows != 1:
-                return None
-            block_table, block_size, max_blocks = backend._block_table, backend.max_len, 1
-            slots = torch.tensor([ctx.start_pos], dtype=torch.int64)
-        elif type(backend) is CpuPagedBackend:
-            plan = ctx.attn_metadata.decode if ctx.num_prefills == 0 else None
-            if not isinstance(plan, CpuDecodeTables) or plan.block_tables.shape[0] != rows:
-                return None
-            lens, block_table = plan.context_lens, plan.block_tables
-            block_size, max_blocks = backend.block_size, block_table.shape[1]
-            slots = ctx.slot_mapping
-            if slots.dtype != torch.int64 or not slots.is_contiguous() or slots.shape != (rows,):
-                return None
-        else:
+        tables = backend.decode_tables(ctx)  # the backend's own K/V addressing (None: not a pure decode step)
+        if tables is None or tables.block_table.shape[0] != rows:
             return None
+        block_table, lens, slots = tables.block_table, tables.context_lens, tables.slots
+        block_size, max_blocks = tables.block_size, tables.max_blocks
         if backend.kv_caches[0].dtype != torch.float32 or _global_hooks() or any(self._hook_dicts):
             return None
-        from minfer.quantization.qgemm import _isa_from_env
+        from minfer.cpu.qgemm import _isa_from_env
 
         cos, sin = cos_sin[0].contiguous(), cos_sin[1].contiguous()
         if cos.shape != (rows, self.head_dim // 2) or self._current_weight_ptrs() != self._weight_ptrs:
@@ -316,3 +265,33 @@ class DecodeLayersCpu:
                                        res_in.data_ptr() if res_in is not None else None, x_out.data_ptr(),
                                        res_out.data_ptr(), scratch.data_ptr())
         return x_out, res_out
+
+
+class CpuDecodeStep:
+    """The platform's step runner on a CPU (`minfer.platform.CpuPlatform.step_runner`): a decode step of a
+    Llama-family model, from token ids to the normed hidden states, as one C++ call over all layers.
+
+    `run(input_ids [T], ctx) -> hidden [T, hidden] | None`: the worker (`Worker.run_model`) and the simple path
+    call it first; None means "not this step" (a prefill, more rows than the plan takes, a hook, ...) and the
+    caller runs the model. What it needs from the model it asks through the model's declared methods:
+    `embed`, `decoder_layers`, `final_norm`, and each projection's `LinearMethod.fused_step_weight`.
+    """
+
+    def __init__(self, model, plan: DecodeLayersCpu):
+        self.model, self.plan = model, plan
+
+    @classmethod
+    def build(cls, model) -> "CpuDecodeStep | None":
+        """The runner for a causal LM (`model.model` its decoder stack), or None where the one call does not
+        cover it."""
+        inner = getattr(model, "model", None)
+        plan = DecodeLayersCpu.build(inner) if inner is not None else None
+        return None if plan is None else cls(inner, plan)
+
+    def run(self, input_ids: torch.Tensor | None, ctx) -> torch.Tensor | None:
+        if input_ids is None or input_ids.shape[0] > self.plan.max_rows or torch.is_grad_enabled():
+            return None
+        lm = self.model
+        x = lm.embed(input_ids)
+        out = self.plan.run(x, None, lm.rotary_emb.cos_sin_for(ctx.positions), ctx)
+        return None if out is None else lm.final_norm(*out)

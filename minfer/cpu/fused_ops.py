@@ -10,60 +10,38 @@ layers take either set (`BuildOptions.fused_ops = "cpu"` or `"triton"`, `minfer.
     apply_rotary_(q, k, cos, sin)                -> (q, k) rotated in place (rotate-half layout)
 
 float32 CPU tensors only (what the engine's CPU path runs); the loops are split over rows with OpenMP
-(`torch.get_num_threads()` threads). They are built like the paged-decode kernel (`minfer.attention.cpu.
-load_cpu_library`: once per checkout, source version and kind of CPU); `fused_cpu_available()` says whether
-that worked, and the loader falls back to plain torch, silently, where it did not. They are on by default for
-every float32 CPU model at once (`minfer.model.loader.load_model`'s "auto", the worker's too, so the engine's
-model and any other one compute alike); `MINFER_FUSED_CPU_OPS=0` turns them off (`loader.FUSED_CPU_OPS_DEFAULT`),
-and `MINFER_CPU_KERNELS=0` disables them with the other C++ kernels. Results match the torch ops to a few
+(`torch.get_num_threads()` threads). They are built like every kernel of the wing (`minfer.cpu.build`: once per
+checkout, source version and kind of CPU); `fused_cpu_available()` says whether that worked, and the platform
+falls back to plain torch, silently, where it did not. They are on for every float32 CPU model loaded with
+kernels="auto" (`minfer.platform.CpuPlatform.fused_ops`, through `load_model`'s "auto", the worker's too, so the
+engine's model and any other one compute alike); kernels="reference" leaves them out. Results match the torch ops to a few
 float32 ulps, and are batch-invariant: a row's bits do not depend on how many rows come with it, on its address
 or on the thread split (`tests/test_fused_cpu.py`; how, at the top of `csrc/fused_cpu.cpp`).
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-from pathlib import Path
-
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "fused_cpu.cpp"
+from minfer.cpu.build import F32, I32, I64, PTR, CppLibrary, KernelUnavailable
+
 # No -ffast-math, and no fused multiply-adds: every row gets the same float operations in the same order,
 # whatever its address or batch (batch invariance; the top of csrc/fused_cpu.cpp says how).
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
 
 
-class FusedCpuUnavailable(RuntimeError):
+class FusedCpuUnavailable(KernelUnavailable):
     """The fused CPU ops could not be built or loaded here (the message says why)."""
 
 
-@functools.cache
-def _library() -> ctypes.CDLL:
-    """Build and load the library. Raises FusedCpuUnavailable (disabled, or the build failed)."""
-    from minfer.attention.cpu import load_cpu_library
-
-    lib = load_cpu_library(SOURCE, "minfer_fused_cpu", CFLAGS, FusedCpuUnavailable)
-    i64, ptr, f32, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-    sigs = {
-        "minfer_rms_norm_f32": [ptr, ptr, ptr, i64, i64, i64, i64, f32, cint],
-        "minfer_fused_add_rms_norm_f32": [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32, cint],
-        "minfer_silu_and_mul_f32": [ptr, ptr, i64, i64, i64, cint],
-        "minfer_rotary_f32": [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, cint],
-    }
-    for name, argtypes in sigs.items():
-        f = getattr(lib, name)
-        f.argtypes, f.restype = argtypes, None
-    return lib
-
-
-def fused_cpu_available() -> bool:
-    """True when the library builds and loads on this machine (builds it on the first call)."""
-    try:
-        _library()
-        return True
-    except FusedCpuUnavailable:
-        return False
+LIBRARY = CppLibrary("minfer_fused_cpu", "fused_cpu.cpp", CFLAGS, {
+    "minfer_rms_norm_f32": ([PTR, PTR, PTR, I64, I64, I64, I64, F32, I32], None),
+    "minfer_fused_add_rms_norm_f32": ([PTR, PTR, PTR, PTR, PTR, I64, I64, I64, I64, F32, I32], None),
+    "minfer_silu_and_mul_f32": ([PTR, PTR, I64, I64, I64, I32], None),
+    "minfer_rotary_f32": ([PTR, PTR, PTR, PTR, I64, I64, I64, I64, I64, I64, I64, I64, I32], None),
+}, FusedCpuUnavailable)
+_library = LIBRARY.load
+fused_cpu_available = LIBRARY.available
 
 
 def _check(name: str, t: torch.Tensor) -> None:

@@ -1,7 +1,7 @@
 """GGUF's Q4_0 / Q4_1 / Q8_0 blocks times float32 activations, in their own bytes: the GEMV-style C++ kernel
 of `csrc/gguf_matmul_cpu.cpp` (chapter 5 §5.3), llama.cpp's method written from scratch, and the planes
 (`repack_blocks`) that `pack_gguf` turns into the tiles of the register-tiled integer GEMM
-(`minfer.quantization.qgemm`), which is what the engine runs. This kernel stays as the chapter's first step
+(`minfer.cpu.qgemm`), which is what the engine runs. This kernel stays as the chapter's first step
 and the benchmarks' baseline: it loops over the weight rows and, per row, over up to 8 activation rows, so at
 a batch of 64 each weight block is unpacked 8 times and each activation byte reloaded for every weight row;
 the tiled GEMM keeps a 4 x 32 tile of sums in registers instead (chapter 5 measures both).
@@ -26,21 +26,20 @@ against `reference_matmul`, the same arithmetic in float64 torch). A row's resul
 many rows share the call or on the thread count (each row is computed by the same instructions in the same
 order), so the engine's batched outputs equal its one-sequence ones.
 
-Built like the other CPU kernels (`minfer.attention.cpu.load_cpu_library`), called through ctypes.
+Built like the other CPU kernels (`minfer.cpu.build`), called through ctypes.
 `MINFER_GGUF_ISA` = `scalar`, `avx2` or `vnni` forces an instruction set (a CPU lacking it gets the best it
 has), for measuring one path against another on one machine.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import os
-from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "gguf_matmul_cpu.cpp"
+from minfer.cpu.build import I32, I64, PTR, CppLibrary, KernelUnavailable
+# One instruction-set numbering and one CPU probe for both kernels (their C++ choose a set the same way).
+from minfer.cpu.qgemm import ISAS, _isa_from_env, best_isa, quantize_activations  # noqa: F401
+
 # No -march=native: the AVX2 and VNNI functions carry their own target attributes and are chosen at run
 # time, so one build is right on an AVX2-only CPU and fast on an AVX-512 VNNI one. No -ffast-math: fixed
 # order of the float sums (batch invariance).
@@ -48,43 +47,17 @@ CFLAGS = ["-O3", "-fopenmp"]
 BLOCK = 32
 KERNEL_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 _TYPE_ID = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
-ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "vnni": 3}
-ISA_NAMES = {v: k for k, v in ISAS.items()}
 
 
-class GGUFKernelUnavailable(RuntimeError):
+class GGUFKernelUnavailable(KernelUnavailable):
     """The C++ kernel could not be built or loaded here (the message says why)."""
 
 
-@functools.cache
-def _library() -> ctypes.CDLL:
-    """Build (once per source version and kind of CPU) and load the kernel.
-
-    Raises:
-        GGUFKernelUnavailable: disabled by MINFER_CPU_KERNELS=0, or the build or load failed.
-    """
-    from minfer.attention.cpu import load_cpu_library
-
-    lib = load_cpu_library(SOURCE, "minfer_gguf_matmul_cpu", CFLAGS, GGUFKernelUnavailable)
-    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.minfer_gguf_matmul.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, i64, i64, i64, i32, i32]
-    lib.minfer_gguf_matmul.restype = i32
-    lib.minfer_gguf_best_isa.argtypes = []
-    lib.minfer_gguf_best_isa.restype = i32
-    return lib
-
-
-def gguf_kernel_available() -> bool:
-    try:
-        _library()
-        return True
-    except GGUFKernelUnavailable:
-        return False
-
-
-def best_isa() -> str:
-    """The instruction set the kernel uses here by default: "vnni", "avx2" or "scalar"."""
-    return ISA_NAMES[_library().minfer_gguf_best_isa()]
+LIBRARY = CppLibrary("minfer_gguf_matmul_cpu", "gguf_matmul_cpu.cpp", CFLAGS, {
+    "minfer_gguf_matmul": ([PTR, PTR, PTR, PTR, PTR, I32, I64, I64, I64, I32, I32], I32),
+}, GGUFKernelUnavailable)
+_library = LIBRARY.load
+gguf_kernel_available = LIBRARY.available
 
 
 def repack_blocks(raw: torch.Tensor, ggml_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -109,9 +82,9 @@ def repack_blocks(raw: torch.Tensor, ggml_type: str) -> tuple[torch.Tensor, torc
 
 def pack_gguf(planes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]], ggml_type: str):
     """The planes of one or more parts (`repack_blocks` each; stacked along the output rows) -> the integer
-    GEMM's `PackedWeight` (`minfer.quantization.qgemm`, the engine's route): Q4_1 as w = q d + m, Q4_0 as
+    GEMM's `PackedWeight` (`minfer.cpu.qgemm`, the engine's route): Q4_1 as w = q d + m, Q4_0 as
     (q - 8) d, Q8_0 as q d, groups of 32, float16 scales. The same bytes per weight as the file."""
-    from minfer.quantization.qgemm import pack
+    from minfer.cpu.qgemm import pack
 
     codes = []
     for qs, _, _ in planes:
@@ -144,15 +117,6 @@ def dequantize_blocks(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
     return w.reshape(n, -1).to(dtype)
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the kernel does to x first, in torch: `x float32 [T, K]` -> (codes int8 [T, K/32, 32], scale float32
-    [T, K/32]) with dx = max|x| / 127 per block of 32 and q = round(x / dx) (half to even)."""
-    xb = x.float().reshape(x.shape[0], -1, BLOCK)
-    dx = xb.abs().amax(-1) / 127
-    inv = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
-    return torch.round(xb * inv[..., None]).to(torch.int8), dx
-
-
 def reference_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
                      ggml_type: str) -> torch.Tensor:
     """The kernel's arithmetic in float64 torch (the activations quantized the same way): `[T, N]` float64.
@@ -160,13 +124,6 @@ def reference_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torc
     qx, dx = quantize_activations(x)
     xd = (qx.double() * dx.double()[..., None]).reshape(x.shape[0], -1)
     return xd @ dequantize_blocks(qs, d, m, ggml_type, torch.float64).t()
-
-
-def _isa_from_env() -> int:
-    name = os.environ.get("MINFER_GGUF_ISA", "auto")
-    if name not in ISAS:
-        raise ValueError(f"MINFER_GGUF_ISA must be one of {sorted(ISAS)}, got {name!r}")
-    return ISAS[name]
 
 
 def gguf_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, ggml_type: str,

@@ -13,7 +13,7 @@ The cost: the process keeps its peak heap (what the largest step needed) instead
 steps; an engine that holds a KV pool of gigabytes anyway does not miss it. This is what vLLM's CPU backend
 gets by preloading tcmalloc (its installation guide's advice); minfer asks glibc instead of adding a library.
 
-`keep_freed_memory()` is called by the `Worker` of a CPU engine (offline `LLM` and the server's engine
+`keep_freed_memory()` is called by the platform (`CpuPlatform.configure_allocator`) of a CPU engine's worker (offline `LLM` and the server's engine
 process). It changes nothing where the user set glibc's own variables (`MALLOC_MMAP_THRESHOLD_`,
 `MALLOC_TRIM_THRESHOLD_`, or a `glibc.malloc.*` tunable in `GLIBC_TUNABLES`: theirs win), where
 `MINFER_MALLOC_TUNING` is 0 (or false / no / off), or off glibc.
@@ -40,7 +40,9 @@ def keep_freed_memory() -> bool:
     global _done
     if _done:
         return True
-    if os.environ.get("MINFER_MALLOC_TUNING", "1").strip().lower() in ("0", "false", "no", "off"):
+    from minfer.platform import malloc_tuning_enabled  # the one place that reads the override
+
+    if not malloc_tuning_enabled():
         return False
     if not sys.platform.startswith("linux"):
         return False

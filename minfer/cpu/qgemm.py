@@ -20,20 +20,19 @@ and the three instruction-set paths give the same bits (they do the same float o
 approximation against a dequantize-then-matmul is the activations' rounding to 8 bits per block of 32
 (`reference_matmul` is the same arithmetic in float64; tests/test_qgemm.py bounds both).
 
-`MINFER_GGUF_ISA` = `scalar`, `avx2` or `vnni` forces an instruction set (a CPU lacking it gets the best it has).
+`MINFER_GGUF_ISA` = `scalar`, `avx2` or `vnni` (read by `minfer.platform`, for tests and benchmarks) forces an
+instruction set (a CPU lacking it gets the best it has).
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "qgemm_cpu.cpp"
+from minfer.cpu.build import I32, I64, PTR, CppLibrary, KernelUnavailable
+from minfer.platform import gguf_isa_override
+
 # No -march=native: the AVX2 and VNNI functions carry their own target attributes and are chosen at run time.
 # No -ffast-math and no FMA contraction: the float operations per output element are the ones written, the
 # same on every path and every batch size.
@@ -44,30 +43,16 @@ ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "vnni": 3}
 ISA_NAMES = {v: k for k, v in ISAS.items()}
 
 
-class QGemmUnavailable(RuntimeError):
+class QGemmUnavailable(KernelUnavailable):
     """The C++ kernel could not be built or loaded here (the message says why)."""
 
 
-@functools.cache
-def _library() -> ctypes.CDLL:
-    """Build (once per source version and kind of CPU) and load the kernel. Raises QGemmUnavailable."""
-    from minfer.attention.cpu import load_cpu_library
-
-    lib = load_cpu_library(SOURCE, "minfer_qgemm_cpu", CFLAGS, QGemmUnavailable)
-    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.minfer_qgemm.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i64, i64, i64, i64, i32, i32]
-    lib.minfer_qgemm.restype = i32
-    lib.minfer_qgemm_best_isa.argtypes = []
-    lib.minfer_qgemm_best_isa.restype = i32
-    return lib
-
-
-def qgemm_available() -> bool:
-    try:
-        _library()
-        return True
-    except QGemmUnavailable:
-        return False
+LIBRARY = CppLibrary("minfer_qgemm_cpu", "qgemm_cpu.cpp", CFLAGS, {
+    "minfer_qgemm": ([PTR, PTR, PTR, PTR, PTR, I32, I32, I32, I64, I64, I64, I64, I32, I32], I32),
+    "minfer_qgemm_best_isa": ([], I32),
+}, QGemmUnavailable)
+_library = LIBRARY.load
+qgemm_available = LIBRARY.available
 
 
 def best_isa() -> str:
@@ -226,7 +211,8 @@ def reference_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
 
 
 def _isa_from_env() -> int:
-    name = os.environ.get("MINFER_GGUF_ISA", "auto")
+    """The forced instruction set's number (0: auto): `minfer.platform.gguf_isa_override`."""
+    name = gguf_isa_override()
     if name not in ISAS:
         raise ValueError(f"MINFER_GGUF_ISA must be one of {sorted(ISAS)}, got {name!r}")
     return ISAS[name]

@@ -8,58 +8,32 @@ blocks without re-quantizing them (a second rounding); `csrc/int8_group_cpu.cpp`
 each weight row is read once, turned into floats in L1 (code x its group's scale) and dotted with every
 row of the batch. float32 activations in, float32 out: the product is
 gguf's own dequantization times x, up to the order of the sums. Built like the decode-attention kernel
-(`minfer.attention.cpu`: torch's extension builder, `-march=native`, one build per kind of CPU, so an
+(`minfer.cpu.attention`: torch's extension builder, `-march=native`, one build per kind of CPU, so an
 AVX-512 machine and an AVX2-only one each get code for their own instructions), called through ctypes.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "int8_group_cpu.cpp"
+from minfer.quantization.gguf import dequantize_int8_group  # noqa: F401  (the same product, in torch)
+from minfer.cpu.build import I32, I64, PTR, CppLibrary, KernelUnavailable
+
 # No -ffast-math: the sums keep their order, so a row gives the same bits at any batch size.
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 GROUP_SIZES = (16, 32)
 
 
-class Int8GroupKernelUnavailable(RuntimeError):
+class Int8GroupKernelUnavailable(KernelUnavailable):
     """The C++ kernel could not be built or loaded here (the message says why)."""
 
 
-@functools.cache
-def _library() -> ctypes.CDLL:
-    """Build (once per source version and kind of CPU) and load the kernel.
-
-    Raises:
-        Int8GroupKernelUnavailable: disabled by MINFER_CPU_KERNELS=0, or the build or load failed.
-    """
-    from minfer.attention.cpu import load_cpu_library
-
-    lib = load_cpu_library(SOURCE, "minfer_int8_group_cpu", CFLAGS, Int8GroupKernelUnavailable)
-    f = lib.minfer_int8_group_matmul
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    f.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
-    f.restype = None
-    return lib
-
-
-def int8_group_kernel_available() -> bool:
-    try:
-        _library()
-        return True
-    except Int8GroupKernelUnavailable:
-        return False
-
-
-def dequantize_int8_group(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """(qweight int8 [out, in], scale [out, in/G]) -> `[out, in]` in `dtype` (computed in float32)."""
-    out, k = qweight.shape
-    g = scale.shape[1]
-    return (qweight.view(out, g, k // g).float() * scale.float()[..., None]).reshape(out, k).to(dtype)
+LIBRARY = CppLibrary("minfer_int8_group_cpu", "int8_group_cpu.cpp", CFLAGS, {
+    "minfer_int8_group_matmul": ([PTR, PTR, PTR, PTR, I64, I64, I64, I64, I32], None),
+}, Int8GroupKernelUnavailable)
+_library = LIBRARY.load
+int8_group_kernel_available = LIBRARY.available
 
 
 def int8_group_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
