@@ -45,10 +45,11 @@ class FakeTokenizer:
             out.append(" " + (_WORDS[i - 1] if 1 <= i <= len(_WORDS) else f"<t{i}>"))
         return "".join(out)
 
-    def encode_chat(self, messages, add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+    def encode_chat(self, messages, add_generation_prompt: bool = True, **options) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **options))
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, continue_final_message: bool = False,
+                            chat_template_kwargs=None, tools=None, normalize: bool = True) -> str:
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
         parts = []
@@ -120,12 +121,13 @@ class FakeEngine:
         if not ids:
             raise ValueError("the prompt is empty")
         if len(ids) >= self.model_config.max_model_len:
-            raise ValueError(f"the prompt ({len(ids)} tokens) is longer than max_model_len="
-                             f"{self.model_config.max_model_len} allows")
+            raise ValueError(f"This model's maximum context length is {self.model_config.max_model_len} tokens. "
+                             f"However, the prompt has {len(ids)} tokens")
         max_tokens = sampling_params.max_tokens
         if max_tokens is not None and len(ids) + max_tokens > self.model_config.max_model_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
-                             f"max_model_len ({self.model_config.max_model_len})")
+            raise ValueError(f"This model's maximum context length is {self.model_config.max_model_len} tokens. "
+                             f"However, you requested {len(ids) + max_tokens} tokens: prompt ({len(ids)} tokens) + "
+                             f"max_tokens ({max_tokens}) exceeds max_model_len ({self.model_config.max_model_len})")
         if any(r.rid == request_id for r in self.waiting + self.running):
             raise ValueError(f"request id {request_id!r} already exists")
         arrival = time.perf_counter() if arrival_time is None else arrival_time

@@ -66,6 +66,22 @@ def echo(value, limit: int = 100) -> str:
     return encodable(text)
 
 
+def engine_error(exc: Exception, default_param: str = "prompt") -> APIError:
+    """The 400 of a request the engine refused (`ValueError`/`TypeError` from `add_request`).
+
+    A prompt too long for max_model_len (`minfer.sequence.CONTEXT_LENGTH_EXCEEDED`) gets OpenAI's code
+    "context_length_exceeded", as vLLM answers it: LangChain raises its `ContextOverflowError` on that code,
+    litellm its `ContextWindowExceededError` on the message's opening words. The message arrives as text
+    from the engine process, so it is recognised by those words.
+    """
+    from minfer.sequence import CONTEXT_LENGTH_EXCEEDED
+
+    message = str(exc)
+    if message.startswith(CONTEXT_LENGTH_EXCEEDED):
+        return APIError(400, message, param=default_param, code="context_length_exceeded")
+    return APIError(400, message, param=param_of(exc) or default_param)
+
+
 def param_of(exc: Exception) -> str | None:
     """The field a SamplingParams/engine ValueError names ("SamplingParams.top_p must be ..." -> "top_p")."""
     m = re.search(r"SamplingParams\.(\w+)", str(exc))
@@ -280,6 +296,29 @@ def parse_prompts(body: dict) -> list:
         raise APIError(400, "'prompt' is required", param="prompt")
     raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list of lists of "
                         "token ids (non-empty)", param="prompt")
+
+
+def chat_template_options(body: dict) -> dict:
+    """vLLM's chat-template controls of a chat body, checked, as keyword arguments of
+    `Tokenizer.apply_chat_template`: `add_generation_prompt` (default true), `continue_final_message`
+    (default false; not with add_generation_prompt) and `chat_template_kwargs` (an object).
+
+    Raises:
+        APIError(400): a non-boolean control, both controls true, or bad chat_template_kwargs.
+    """
+    from minfer.tokenizer import check_chat_template_kwargs
+
+    gen = _get_bool(body, "add_generation_prompt", True)
+    cont = _get_bool(body, "continue_final_message", False)
+    if gen and cont:
+        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true: set "
+                            "add_generation_prompt to false to continue the last message",
+                       param="continue_final_message")
+    try:
+        kwargs = check_chat_template_kwargs(body.get("chat_template_kwargs"))
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="chat_template_kwargs") from None
+    return {"add_generation_prompt": gen, "continue_final_message": cont, "chat_template_kwargs": kwargs}
 
 
 def normalize_messages(messages) -> list[dict]:

@@ -11,6 +11,7 @@
 | GET / | the demo page (`static/index.html`), with a Content-Security-Policy that allows only its own code |
 | GET /v1/models/{id}, POST /tokenize, /detokenize, GET /version, /ping | `ops_routes.py` (vLLM's and OpenAI's extra routes) |
 | POST /generate | vLLM's legacy api_server route (`legacy_api.py`) |
+| POST /v1/responses, GET /v1/responses/{id} | OpenAI's Responses API, translated to and from chat (`responses.py`) |
 
 Each GET route also answers HEAD (the same headers, no body). Each handler only parses (with `protocol`, after
 the admission checks of `limits`) and hands over (to `serving.OpenAIServing`). They find what they share in
@@ -50,11 +51,12 @@ from minfer.serve.limits import (
     ServerLimits, check_fan_out, check_message_chars, check_prompt_chars, read_body, require_json)
 from minfer.serve.metrics import ServerMetrics
 from minfer.serve.protocol import (
-    DEFAULT_COMPLETION_MAX_TOKENS, APIError, echo_setting, normalize_messages, parse_json_body, parse_prompts,
-    resolve_model, sampling_params)
+    DEFAULT_COMPLETION_MAX_TOKENS, APIError, chat_template_options, echo_setting, normalize_messages,
+    parse_json_body, parse_prompts, resolve_model, sampling_params)
 from minfer.serve.fallbacks import FallbackConfig
 from minfer.serve.legacy_api import router as legacy_router
 from minfer.serve.ops_routes import router as ops_router
+from minfer.serve.responses import router as responses_router
 from minfer.serve.serving import OpenAIServing
 
 logger = logging.getLogger("minfer.serve")
@@ -162,7 +164,14 @@ async def chat_completions(request: Request):
         return await _chat_beam_search(request, serving, body, model)
     params = sampling_params(body, chat=True)
     check_fan_out(1, params.n, serving.limits)
+    return await serve_chat(request, serving, body, model, params)
+
+
+async def serve_chat(request: Request, serving: OpenAIServing, body: dict, model: str, params: SamplingParams):
+    """A chat body whose sampling parameters are read: render its messages (with its tools and template
+    controls), then generate. Also what /v1/responses runs, on the chat body it translates to."""
     check_message_chars(body.get("messages"), serving.limits, serving.max_model_len)
+    options = chat_template_options(body)
     tools, params = _chat_tools(body, params)
     messages = body.get("messages") if tools is not None else normalize_messages(body.get("messages"))
     try:
@@ -171,9 +180,9 @@ async def chat_completions(request: Request):
         if tools is not None:
             from minfer.serve.tools import render_prompt
 
-            prompt = await run_in_threadpool(render_prompt, serving.engine.tokenizer, messages, tools)
+            prompt = await run_in_threadpool(render_prompt, serving.engine.tokenizer, messages, tools, options)
         else:
-            prompt = await run_in_threadpool(serving.engine.tokenizer.encode_chat, messages)
+            prompt = await run_in_threadpool(lambda: serving.engine.tokenizer.encode_chat(messages, **options))
     except (ValueError, TypeError, KeyError) as exc:
         raise APIError(400, f"messages could not be rendered with the chat template: {exc}",
                        param="messages") from None
@@ -192,8 +201,9 @@ async def _chat_beam_search(request: Request, serving: OpenAIServing, body: dict
     check_fan_out(1, params.beam_width, serving.limits)
     check_message_chars(body.get("messages"), serving.limits, serving.max_model_len)
     messages = normalize_messages(body.get("messages"))
+    options = chat_template_options(body)
     try:
-        prompt = await run_in_threadpool(serving.engine.tokenizer.encode_chat, messages)
+        prompt = await run_in_threadpool(lambda: serving.engine.tokenizer.encode_chat(messages, **options))
     except (ValueError, TypeError, KeyError) as exc:
         raise APIError(400, f"messages could not be rendered with the chat template: {exc}",
                        param="messages") from None
@@ -294,7 +304,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException):
 def _allowed_methods(scope) -> str:
     """The methods of every route at this path (Starlette's own 405 names only the first route's)."""
     methods = set()
-    for route in [*router.routes, *ops_router.routes, *legacy_router.routes]:
+    for route in [*router.routes, *ops_router.routes, *legacy_router.routes, *responses_router.routes]:
         match, _ = route.matches(scope)
         if match is not Match.NONE:
             methods |= route.methods
@@ -390,6 +400,7 @@ def build_app(engine, served_model_names: list[str] | str | None = None, api_key
     app.include_router(router)
     app.include_router(ops_router)
     app.include_router(legacy_router)
+    app.include_router(responses_router)
     return app
 
 

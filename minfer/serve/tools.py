@@ -294,17 +294,18 @@ def _messages(raw: list, native: bool) -> list[dict]:
     return out
 
 
-def render_prompt(tokenizer, raw_messages, req: ToolRequest) -> list[int]:
-    """The prompt's token ids, with the tools shown to the model (see the module docstring).
+def render_prompt(tokenizer, raw_messages, req: ToolRequest, options: dict | None = None) -> list[int]:
+    """The prompt's token ids, with the tools shown to the model (see the module docstring). `options`: the
+    chat-template controls (`protocol.chat_template_options`).
 
     Raises:
         ValueError: messages the template cannot render.
     """
-    hf = tokenizer.hf
-    native = template_renders_tools(hf)
+    options = options or {}
+    native = template_renders_tools(tokenizer.hf)
     msgs = _messages(raw_messages, native)
     if native:
-        text = hf.apply_chat_template(msgs, tools=req.tools, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(msgs, tools=req.tools, normalize=False, **options)
     else:
         listing = "\n".join(json.dumps(f, ensure_ascii=False) for f in req.functions.values())
         auto = " If no function fits, answer in plain text." if req.choice == "auto" else ""
@@ -314,7 +315,7 @@ def render_prompt(tokenizer, raw_messages, req: ToolRequest) -> list[int]:
             msgs = [{"role": "system", "content": msgs[0]["content"] + "\n\n" + system}] + msgs[1:]
         else:
             msgs = [{"role": "system", "content": system}] + msgs
-        text = tokenizer.apply_chat_template(msgs)
+        text = tokenizer.apply_chat_template(msgs, **options)
     return tokenizer.encode(text, add_special_tokens=False)
 
 
