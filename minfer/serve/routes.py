@@ -397,6 +397,7 @@ def build_app(engine, served_model_names: list[str] | str | None = None, api_key
     app.state.metrics.set_cache_config(cache_config_labels(engine_loop, engine))
     if api_key:
         app.add_middleware(_AuthMiddleware, api_key=api_key, metrics=app.state.metrics)
+    app.state.metrics.instrument_http(app)  # outside the key check: a 401 is counted too
     app.include_router(router)
     app.include_router(ops_router)
     app.include_router(legacy_router)
