@@ -64,13 +64,17 @@ def test_overflow_has_openais_code_and_wording(client):
         with pytest.raises(openai.BadRequestError) as e:
             call()
         assert e.value.code == "context_length_exceeded"
-        assert LITELLM_CONTEXT_WINDOW.search(str(e.value)) and e.value.message.startswith(
+        assert LITELLM_CONTEXT_WINDOW.search(str(e.value)) and e.value.body["message"].startswith(
             f"This model's maximum context length is {MAX_MODEL_LEN} tokens")
     with pytest.raises(openai.BadRequestError) as e:  # other 400s keep their own code
         client.completions.create(model=MODEL, prompt="hi", temperature=-1)
     assert e.value.code != "context_length_exceeded"
 
 
+# langchain_openai/chat_models/base.py, `_handle_openai_bad_request`:
+#     if ("context_length_exceeded" in str(e) or "Input tokens exceed the configured limit" in e.message
+#             or "prompt is too long" in e.message or "ContextWindowExceededError" in e.message):
+#         raise OpenAIContextOverflowError(...)
 def test_langchain_raises_its_context_overflow_error(server):
     from langchain_core.exceptions import ContextOverflowError
     from langchain_openai import ChatOpenAI

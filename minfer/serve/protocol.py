@@ -70,15 +70,19 @@ def engine_error(exc: Exception, default_param: str = "prompt") -> APIError:
     """The 400 of a request the engine refused (`ValueError`/`TypeError` from `add_request`).
 
     A prompt too long for max_model_len (`minfer.sequence.CONTEXT_LENGTH_EXCEEDED`) gets OpenAI's code
-    "context_length_exceeded", as vLLM answers it: LangChain raises its `ContextOverflowError` on that code,
-    litellm its `ContextWindowExceededError` on the message's opening words. The message arrives as text
-    from the engine process, so it is recognised by those words.
+    "context_length_exceeded", as vLLM answers it: LangChain raises its `ContextOverflowError` when
+    "context_length_exceeded" is in the error's text (langchain_openai `_handle_openai_bad_request`), litellm
+    its `ContextWindowExceededError` on the message's opening words. The message arrives as text from the
+    engine process, so it is recognised by those words.
     """
     from minfer.sequence import CONTEXT_LENGTH_EXCEEDED
 
     message = str(exc)
     if message.startswith(CONTEXT_LENGTH_EXCEEDED):
-        return APIError(400, message, param=default_param, code="context_length_exceeded")
+        # The code is named in the message too: LangChain looks for it in `str(error)`, which newer openai
+        # clients make of the message alone
+        return APIError(400, f"{message} (code: context_length_exceeded)", param=default_param,
+                        code="context_length_exceeded")
     return APIError(400, message, param=param_of(exc) or default_param)
 
 
