@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import re
 
 from minfer.outputs import CompletionOutput
 from minfer.sampling_params import SamplingParams
@@ -122,8 +123,9 @@ class Sequence:
             self.finish_reason = "abort"
 
 
-# OpenAI's (and vLLM's) opening words of a context-overflow error, which client libraries match on
-CONTEXT_LENGTH_EXCEEDED = "This model's maximum context length is"
+# What the length errors below say, read by the server (`serve.protocol.engine_error`) to answer them as
+# OpenAI's context overflow; group 1 is max_model_len
+CONTEXT_LENGTH_ERROR = re.compile(r"(?:but max_model_len is |exceeds max_model_len \()(\d+)")
 
 
 def validate_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int) -> None:
@@ -132,9 +134,6 @@ def validate_prompt(prompt_token_ids: list[int], params: SamplingParams, max_mod
     Raises:
         ValueError: empty prompt, token ids outside the vocabulary, a prompt that leaves no room for output,
             or prompt + max_tokens (or + min_tokens) above max_model_len (the message states all three numbers).
-            A length error's message starts with `CONTEXT_LENGTH_EXCEEDED`, OpenAI's and vLLM's wording: client
-            libraries (litellm, LangChain) recognise a context overflow by it, and the server answers it with
-            OpenAI's code "context_length_exceeded".
     """
     n = len(prompt_token_ids)
     if n == 0:
@@ -147,18 +146,15 @@ def validate_prompt(prompt_token_ids: list[int], params: SamplingParams, max_mod
         raise ValueError(f"logit_bias token ids must be in [0, {vocab_size}); got {bad_bias[:5]}")
     if n >= max_model_len:
         raise ValueError(
-            f"{CONTEXT_LENGTH_EXCEEDED} {max_model_len} tokens (max_model_len). However, the prompt has {n} tokens: "
-            f"that leaves no room for output (max_tokens={params.max_tokens}). Shorten the prompt or raise "
-            "max_model_len.")
+            f"the prompt has {n} tokens, but max_model_len is {max_model_len}: that leaves no room for output "
+            f"(max_tokens={params.max_tokens}). Shorten the prompt or raise max_model_len.")
     if params.max_tokens is not None and n + params.max_tokens > max_model_len:
         raise ValueError(
-            f"{CONTEXT_LENGTH_EXCEEDED} {max_model_len} tokens. However, you requested {n + params.max_tokens} "
-            f"tokens: prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} exceeds "
+            f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} exceeds "
             f"max_model_len ({max_model_len}); at most {max_model_len - n} new tokens fit. "
             "Lower max_tokens or raise max_model_len.")
     if params.min_tokens and n + params.min_tokens > max_model_len:  # max_tokens None: min_tokens can not be met
         raise ValueError(
-            f"{CONTEXT_LENGTH_EXCEEDED} {max_model_len} tokens. However, you requested at least "
-            f"{n + params.min_tokens} tokens: prompt ({n} tokens) + min_tokens ({params.min_tokens}) = "
-            f"{n + params.min_tokens} exceeds max_model_len ({max_model_len}); at most {max_model_len - n} new tokens fit. "
+            f"prompt ({n} tokens) + min_tokens ({params.min_tokens}) = {n + params.min_tokens} exceeds "
+            f"max_model_len ({max_model_len}); at most {max_model_len - n} new tokens fit. "
             "Lower min_tokens or raise max_model_len.")

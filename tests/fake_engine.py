@@ -121,13 +121,12 @@ class FakeEngine:
         if not ids:
             raise ValueError("the prompt is empty")
         if len(ids) >= self.model_config.max_model_len:
-            raise ValueError(f"This model's maximum context length is {self.model_config.max_model_len} tokens. "
-                             f"However, the prompt has {len(ids)} tokens")
+            raise ValueError(f"the prompt has {len(ids)} tokens, but max_model_len is "
+                             f"{self.model_config.max_model_len}: that leaves no room for output")
         max_tokens = sampling_params.max_tokens
         if max_tokens is not None and len(ids) + max_tokens > self.model_config.max_model_len:
-            raise ValueError(f"This model's maximum context length is {self.model_config.max_model_len} tokens. "
-                             f"However, you requested {len(ids) + max_tokens} tokens: prompt ({len(ids)} tokens) + "
-                             f"max_tokens ({max_tokens}) exceeds max_model_len ({self.model_config.max_model_len})")
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+                             f"max_model_len ({self.model_config.max_model_len})")
         if any(r.rid == request_id for r in self.waiting + self.running):
             raise ValueError(f"request id {request_id!r} already exists")
         arrival = time.perf_counter() if arrival_time is None else arrival_time

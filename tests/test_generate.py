@@ -121,7 +121,7 @@ def test_sampling_params_errors_name_the_field(kwargs, field):
 
 def test_length_errors_state_the_numbers(llm):
     long_prompt = [100] * 1030
-    with pytest.raises(ValueError, match=r"maximum context length is 1024 tokens.*the prompt has 1030 tokens"):
+    with pytest.raises(ValueError, match=r"1030 tokens.*max_model_len is 1024"):
         llm.generate([long_prompt], SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match=r"prompt \(1000 tokens\) \+ max_tokens \(100\) = 1100 exceeds max_model_len \(1024\)"):
         llm.generate([[100] * 1000], SamplingParams(max_tokens=100))

@@ -69,20 +69,22 @@ def echo(value, limit: int = 100) -> str:
 def engine_error(exc: Exception, default_param: str = "prompt") -> APIError:
     """The 400 of a request the engine refused (`ValueError`/`TypeError` from `add_request`).
 
-    A prompt too long for max_model_len (`minfer.sequence.CONTEXT_LENGTH_EXCEEDED`) gets OpenAI's code
-    "context_length_exceeded", as vLLM answers it: LangChain raises its `ContextOverflowError` when
-    "context_length_exceeded" is in the error's text (langchain_openai `_handle_openai_bad_request`), litellm
-    its `ContextWindowExceededError` on the message's opening words. The message arrives as text from the
-    engine process, so it is recognised by those words.
+    A prompt too long for max_model_len (`minfer.sequence.CONTEXT_LENGTH_ERROR`) is answered as vLLM answers
+    it: a message that starts with OpenAI's words "This model's maximum context length is N tokens." and
+    OpenAI's code "context_length_exceeded". litellm raises its `ContextWindowExceededError` on those words
+    (`exception_mapping_utils.exception_type`); LangChain its `ContextOverflowError` when
+    "context_length_exceeded" is in the error's text (langchain_openai `_handle_openai_bad_request`), which
+    newer openai clients make of the message alone, so the code is named in the message too. The engine's
+    message arrives as text (from the engine process), so it is recognised by its wording.
     """
-    from minfer.sequence import CONTEXT_LENGTH_EXCEEDED
+    from minfer.sequence import CONTEXT_LENGTH_ERROR
 
     message = str(exc)
-    if message.startswith(CONTEXT_LENGTH_EXCEEDED):
-        # The code is named in the message too: LangChain looks for it in `str(error)`, which newer openai
-        # clients make of the message alone
-        return APIError(400, f"{message} (code: context_length_exceeded)", param=default_param,
-                        code="context_length_exceeded")
+    found = CONTEXT_LENGTH_ERROR.search(message)
+    if found:
+        return APIError(400, f"This model's maximum context length is {found.group(1)} tokens. "
+                             f"{message[:1].upper()}{message[1:]} (code: context_length_exceeded)",
+                        param=default_param, code="context_length_exceeded")
     return APIError(400, message, param=param_of(exc) or default_param)
 
 
