@@ -40,7 +40,7 @@ from collections import OrderedDict
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from minfer.serve.protocol import APIError, echo, resolve_model, sampling_params
+from minfer.serve.protocol import APIError, echo, sampling_params
 
 router = APIRouter()
 
