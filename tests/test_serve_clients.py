@@ -140,7 +140,8 @@ def test_continue_final_message_continues_the_assistant_turn(server, client):
 
 def test_add_generation_prompt_false_and_template_kwargs(server, client):
     messages = [{"role": "user", "content": "Hello"}]
-    with_prompt, without = (_tokenize(server, {"messages": messages, "add_generation_prompt": g}) for g in (True, False))
+    with_prompt, without = (_tokenize(server, {"messages": messages, "add_generation_prompt": g})
+                            for g in (True, False))
     assert without["count"] < with_prompt["count"]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
                                        extra_body={"add_generation_prompt": False})

@@ -354,7 +354,9 @@ async def retrieve_response(request: Request, response_id: str):
 
 # -- streaming ------------------------------------------------------------------------------------------------
 def _event(kind: str, seq: int, **fields) -> str:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq, **fields}, ensure_ascii=False)}\n\n"
+    """One server-sent event of the Responses stream: its type named twice, as OpenAI sends it."""
+    data = json.dumps({"type": kind, "sequence_number": seq, **fields}, ensure_ascii=False)
+    return f"event: {kind}\ndata: {data}\n\n"
 
 
 async def _events(chat_chunks, shell: Shell, turn: list[dict], store: ResponseStore | None):
