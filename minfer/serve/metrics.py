@@ -318,9 +318,11 @@ _VLLM_EXTRA = {"minfer:kv_cache_usage_perc": "vllm:gpu_cache_usage_perc"}  # vLL
 
 
 def _renamed(family, name: str, old: str):
-    """`family` as `name`, each sample with vLLM's `engine` label (the engine's index: one engine here)."""
+    """`family` as `name`, each sample with vLLM's `engine` label: the engine's index, its data-parallel rank
+    (a router's `replica`), else "0". The labels are sorted, as prometheus-client writes its own."""
     out = Metric(name, family.documentation, family.type, family.unit)
-    out.samples = [s._replace(name=name + s.name[len(old):], labels={**s.labels, "engine": "0"})
+    out.samples = [s._replace(name=name + s.name[len(old):],
+                              labels=dict(sorted({**s.labels, "engine": s.labels.get("replica", "0")}.items())))
                    for s in family.samples]
     return out
 
