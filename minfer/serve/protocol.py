@@ -306,8 +306,9 @@ def parse_prompts(body: dict) -> list:
 
 def chat_template_options(body: dict) -> dict:
     """vLLM's chat-template controls of a chat body, checked, as keyword arguments of
-    `Tokenizer.apply_chat_template`: `add_generation_prompt` (default true), `continue_final_message`
-    (default false; not with add_generation_prompt) and `chat_template_kwargs` (an object).
+    `Tokenizer.apply_chat_template` (those that differ from its defaults): `add_generation_prompt` (default
+    true), `continue_final_message` (default false; not with add_generation_prompt) and
+    `chat_template_kwargs` (an object).
 
     Raises:
         APIError(400): a non-boolean control, both controls true, or bad chat_template_kwargs.
@@ -324,7 +325,11 @@ def chat_template_options(body: dict) -> dict:
         kwargs = check_chat_template_kwargs(body.get("chat_template_kwargs"))
     except ValueError as exc:
         raise APIError(400, str(exc), param="chat_template_kwargs") from None
-    return {"add_generation_prompt": gen, "continue_final_message": cont, "chat_template_kwargs": kwargs}
+    options = {"add_generation_prompt": gen, "continue_final_message": cont, "chat_template_kwargs": kwargs}
+    return {k: v for k, v in options.items() if v != _TEMPLATE_DEFAULTS[k]}  # the defaults go without saying
+
+
+_TEMPLATE_DEFAULTS = {"add_generation_prompt": True, "continue_final_message": False, "chat_template_kwargs": {}}
 
 
 def normalize_messages(messages) -> list[dict]:
