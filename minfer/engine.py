@@ -64,6 +64,14 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: tuple = ()
+    cpu_kv_cache_usage: float = 0.0  # fraction of the CPU swap space's blocks holding swapped-out KV, 0-1
+
+
+def _cpu_usage(bm) -> float:
+    """Used fraction of the block manager's CPU swap blocks (0 without swap space)."""
+    total = getattr(bm, "num_cpu_blocks", 0) or 0
+    free = getattr(bm, "cpu_free", None)
+    return 0.0 if not total or free is None else 1.0 - len(free) / total
 
 
 @dataclass
@@ -433,7 +441,8 @@ class LLMEngine:
             num_preemptions=sch.num_preemptions, num_evicted_blocks=bm.num_evicted_blocks,
             num_prompt_tokens_total=self._prompt_tokens, num_generation_tokens_total=self._gen_tokens,
             num_steps=self._steps, scheduler_time_s=self._sched_time + self.worker.build_time_s,
-            forward_time_s=self._fwd_time - self.worker.build_time_s, **self._spec_stats())
+            forward_time_s=self._fwd_time - self.worker.build_time_s, cpu_kv_cache_usage=_cpu_usage(bm),
+            **self._spec_stats())
 
     def _spec_stats(self) -> dict:
         if self.spec_decoder is None:

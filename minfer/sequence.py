@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import re
 
 from minfer.outputs import CompletionOutput
 from minfer.sampling_params import SamplingParams
@@ -120,6 +121,11 @@ class Sequence:
     def abort(self) -> None:
         if not self.is_finished:
             self.finish_reason = "abort"
+
+
+# What the length errors below say, read by the server (`serve.protocol.engine_error`) to answer them as
+# OpenAI's context overflow; group 1 is max_model_len
+CONTEXT_LENGTH_ERROR = re.compile(r"(?:but max_model_len is |exceeds max_model_len \()(\d+)")
 
 
 def validate_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int) -> None:

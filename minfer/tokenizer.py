@@ -32,20 +32,63 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+                            tools: list[dict] | None = None, normalize: bool = True) -> str:
         """Render `messages` with the model's chat template, after `normalize_messages`.
 
+        The controls are vLLM's extra chat parameters (and Hugging Face's `apply_chat_template`'s):
+        `add_generation_prompt` opens the assistant's turn after the last message; `continue_final_message`
+        leaves the last (assistant) message open, without its end-of-turn, so that generation continues it
+        (it cannot be combined with `add_generation_prompt`); `chat_template_kwargs` are extra variables for
+        the template (e.g. `{"enable_thinking": false}`). `tools`: OpenAI's tool list for a template that
+        renders them. `normalize=False`: the messages are already in the template's shape (tool calls).
+
         Raises:
-            ValueError: messages that `normalize_messages` refuses, or a model without a chat template.
+            ValueError: messages that `normalize_messages` refuses, a model without a chat template, both
+                `add_generation_prompt` and `continue_final_message`, a `continue_final_message` whose last
+                message is not the assistant's, or `chat_template_kwargs` that are not an object of new names.
         """
-        messages = normalize_messages(messages)
+        if normalize:
+            messages = normalize_messages(messages)
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true: set "
+                             "add_generation_prompt to false to continue the last message")
+        if continue_final_message and messages[-1].get("role") != "assistant":
+            raise ValueError("continue_final_message needs the last message to be the assistant's, got "
+                             f"{messages[-1].get('role')!r}")
+        kwargs = check_chat_template_kwargs(chat_template_kwargs)
+        return self.hf.apply_chat_template(messages, tools=tools, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=continue_final_message, **kwargs)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **options) -> list[int]:
+        """`apply_chat_template(messages, add_generation_prompt, **options)` as token ids."""
         # The template already writes any BOS it wants; adding special tokens again would double it.
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **options),
+                           add_special_tokens=False)
+
+
+# Names the renderer passes itself: a chat_template_kwargs entry may not replace them
+_RESERVED_TEMPLATE_NAMES = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
+                                      "continue_final_message", "tokenize", "chat_template", "return_dict",
+                                      "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs",
+                                      "sanitize_control_tokens", "return_assistant_tokens_mask"})
+
+
+def check_chat_template_kwargs(kwargs) -> dict:
+    """`chat_template_kwargs` (vLLM's extra variables for the chat template) checked: an object whose keys are
+    not names the renderer sets itself. Raises ValueError otherwise; None -> {}."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ValueError(f"chat_template_kwargs must be an object of template variables, got {kwargs!r:.100}")
+    clash = sorted(set(kwargs) & _RESERVED_TEMPLATE_NAMES)
+    if clash:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}: the request's own fields do")
+    return dict(kwargs)
 
 
 def normalize_messages(messages) -> list[dict]:

@@ -45,10 +45,11 @@ class FakeTokenizer:
             out.append(" " + (_WORDS[i - 1] if 1 <= i <= len(_WORDS) else f"<t{i}>"))
         return "".join(out)
 
-    def encode_chat(self, messages, add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+    def encode_chat(self, messages, add_generation_prompt: bool = True, **options) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **options))
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, continue_final_message: bool = False,
+                            chat_template_kwargs=None, tools=None, normalize: bool = True) -> str:
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
         parts = []
@@ -120,8 +121,8 @@ class FakeEngine:
         if not ids:
             raise ValueError("the prompt is empty")
         if len(ids) >= self.model_config.max_model_len:
-            raise ValueError(f"the prompt ({len(ids)} tokens) is longer than max_model_len="
-                             f"{self.model_config.max_model_len} allows")
+            raise ValueError(f"the prompt has {len(ids)} tokens, but max_model_len is "
+                             f"{self.model_config.max_model_len}: that leaves no room for output")
         max_tokens = sampling_params.max_tokens
         if max_tokens is not None and len(ids) + max_tokens > self.model_config.max_model_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "

@@ -237,7 +237,7 @@ def test_16_concurrent_streams_over_two_replicas_have_no_errors():
     assert 'minfer:router_requests_routed_total{model_name="fake-model",replica="1"} 8.0' in metrics
     assert 'minfer:generation_tokens_total{model_name="fake-model",replica="1"}' in metrics
     # vLLM's names too (chapter 15), per replica, and the cache settings of each replica
-    assert 'vllm:generation_tokens_total{model_name="fake-model",replica="1"}' in metrics
+    assert 'vllm:generation_tokens_total{engine="1",model_name="fake-model",replica="1"}' in metrics
     assert 'minfer:cache_config_info{' in metrics and 'replica="0"' in metrics.split("minfer:cache_config_info{")[1]
     assert stats["num_requests_total"] == 17 and len(stats["kv_pool"]["replicas"]) == 2
     assert dp.outstanding == [0, 0]

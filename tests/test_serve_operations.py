@@ -284,7 +284,9 @@ VLLM_SERIES = ["time_per_output_token_seconds_count", "request_queue_time_second
                "request_prompt_tokens_count", "request_generation_tokens_count", "iteration_tokens_total_count",
                "cache_config_info", "time_to_first_token_seconds_count", "e2e_request_latency_seconds_count",
                "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "gpu_cache_usage_perc",
-               "prompt_tokens_total", "generation_tokens_total", "request_success_total"]
+               "prompt_tokens_total", "generation_tokens_total", "request_success_total",
+               "cpu_cache_usage_perc", "request_max_num_generation_tokens_count", "request_params_n_count",
+               "request_params_max_tokens_count"]
 
 
 def parse_metrics(text: str) -> dict:
@@ -316,8 +318,9 @@ def test_metrics_cover_the_article_list_and_vllm_names():
         assert m["vllm:iteration_tokens_total_sum"][0][1] == 18 + 9  # every token of every step
         labels = m["vllm:cache_config_info"][0][0]
         assert labels["block_size"] == "16" and labels["num_gpu_blocks"] == "64"
-        # the two prefixes carry the same samples
-        assert m["vllm:generation_tokens_total"] == m["minfer:generation_tokens_total"]
+        # the two prefixes carry the same samples, vLLM's with its `engine` label
+        assert m["vllm:generation_tokens_total"] == [({**labels, "engine": "0"}, v)
+                                                     for labels, v in m["minfer:generation_tokens_total"]]
 
 
 # ----------------------------------------------------------------------------------------------------------

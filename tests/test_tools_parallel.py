@@ -91,7 +91,7 @@ def test_stream_sends_every_call_with_its_index():
         index, token_ids, finish_reason, text = 0, [1, 2], "stop", json.dumps(TWO)
 
     chunks = ToolStreamChunks.__new__(ToolStreamChunks)
-    chunks.tool_request, chunks.finished, chunks.completion_tokens = req(), set(), {}
+    chunks.tool_request, chunks.finished, chunks.completion_tokens, chunks.streaming_text = req(), set(), {}, set()
     chunks.prompt_index, chunks.n = {"r": 0}, 1
     d = chunks._choice_delta("r", Out())
     assert d["finish_reason"] == "tool_calls"

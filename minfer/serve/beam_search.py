@@ -33,7 +33,7 @@ from minfer.beam_search import run_beam_search
 from minfer.sampling_params import BeamSearchParams, SamplingParams
 from minfer.sequence import validate_prompt
 from minfer.serve.fallbacks import request_timeout_setting, truncate_prompt_tokens_setting, truncate_prompts
-from minfer.serve.protocol import SSE_DONE, APIError, echo, param_of, sse, usage
+from minfer.serve.protocol import SSE_DONE, APIError, echo, engine_error, sse, usage
 
 # Fields that only sampling reads, with the values that mean "not used" (JSON null always means not given).
 _SAMPLING_ONLY = {"top_p": (1, 1.0), "top_k": (-1, 0), "min_p": (0, 0.0), "stop": ([], ""), "stop_token_ids": ([],),
@@ -129,7 +129,7 @@ def _per_prompt(engine, prompts: list[list[int]], params: BeamSearchParams, max_
         try:
             validate_prompt(ids, SamplingParams(max_tokens=p.max_tokens), max_model_len, vocab)
         except ValueError as exc:
-            raise APIError(400, str(exc), param=param_of(exc) or "prompt") from None
+            raise engine_error(exc) from None
         out.append(p)
     return out
 

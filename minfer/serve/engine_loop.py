@@ -29,7 +29,7 @@ from typing import Any, AsyncIterator
 
 from minfer.sampling_params import SamplingParams
 from minfer.serve.metrics import ServerMetrics, phase_times
-from minfer.serve.protocol import APIError, param_of
+from minfer.serve.protocol import APIError, engine_error
 
 logger = logging.getLogger("minfer.serve")
 
@@ -424,7 +424,7 @@ class RequestGroup:
             if isinstance(error, APIError):  # e.g. 503 from a client whose engine process died
                 raise error
             if isinstance(error, (ValueError, TypeError)):
-                raise APIError(400, str(error), param=param_of(error) or "prompt")
+                raise engine_error(error)
             raise APIError(500, f"{type(error).__name__}: {error}")
 
     async def events(self) -> AsyncIterator[RequestSnapshot]:

@@ -4,8 +4,9 @@ tools find them.
 | route | answers |
 | --- | --- |
 | GET /v1/models/{model} | one served model, as OpenAI's model object (the openai client's `models.retrieve`); 404 in OpenAI's error shape for an unknown id |
-| POST /tokenize | vLLM's: `{"prompt"}` or `{"messages"}` (+ `add_special_tokens`, `add_generation_prompt`, `return_token_strs`) -> `{"count", "max_model_len", "tokens", "token_strs"}` |
+| POST /tokenize | vLLM's: `{"prompt"}` or `{"messages"}` (+ `add_special_tokens`, `add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`, `return_token_strs`) -> `{"count", "max_model_len", "tokens", "token_strs"}` |
 | POST /detokenize | vLLM's: `{"tokens": [ids]}` -> `{"prompt": text}` |
+| GET /tokenizer_info | vLLM's: the tokenizer's class, special tokens (as text), chat template and `model_max_length`, which lm-eval's `tokenizer_backend=remote` reads (with /tokenize and /detokenize) instead of downloading a tokenizer |
 | GET /version | `{"version": minfer.__version__}` |
 | GET, POST /ping | as /health (vLLM's and SageMaker's liveness route); open without the API key |
 
@@ -18,7 +19,8 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
 from minfer.serve.limits import check_message_chars, check_prompt_chars, read_body, require_json
-from minfer.serve.protocol import APIError, _get_bool, echo, normalize_messages, parse_json_body, resolve_model
+from minfer.serve.protocol import (
+    APIError, _get_bool, chat_template_options, echo, normalize_messages, parse_json_body, resolve_model)
 
 router = APIRouter()
 OPEN_PATHS = frozenset({"/ping"})  # open even with --api-key, as /health
@@ -42,6 +44,27 @@ async def retrieve_model(request: Request, model: str):
         raise APIError(404, f"The model `{echo(model)}` does not exist. Served: {', '.join(serving.served_model_names)}",
                        param="model", code="model_not_found", type="invalid_request_error")
     return model_card(serving, model)
+
+
+def _token_text(token) -> str | None:
+    """A special token as its text (transformers may hold an `AddedToken`)."""
+    return None if token is None else str(getattr(token, "content", token))
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(request: Request):
+    """vLLM's /tokenizer_info: what a client needs to tokenize as the server does, by calling /tokenize and
+    /detokenize for the ids. lm-eval's `RemoteTokenizer` (`lm_eval/utils.py`) reads `eos_token`, `bos_token`,
+    `pad_token` (strings it sends to /tokenize) and `chat_template` (rendered with Jinja on its side)."""
+    serving = _serving(request)
+    tok = serving.engine.tokenizer
+    hf = getattr(tok, "hf", tok)
+    return {"tokenizer_class": type(hf).__name__, "model_max_length": serving.max_model_len,
+            "vocab_size": getattr(tok, "vocab_size", None),
+            **{name: _token_text(getattr(hf, name, None)) for name in ("eos_token", "bos_token", "pad_token",
+                                                                       "unk_token")},
+            "eos_token_ids": list(getattr(tok, "eos_token_ids", ()) or ()),
+            "chat_template": getattr(hf, "chat_template", None)}
 
 
 @router.get("/version")
@@ -80,11 +103,11 @@ async def tokenize(request: Request):
     else:
         check_message_chars(body["messages"], serving.limits, serving.max_model_len)
         messages = normalize_messages(body["messages"])
-        gen = _get_bool(body, "add_generation_prompt", True)
+        options = chat_template_options(body)  # as /v1/chat/completions renders them
         special = _get_bool(body, "add_special_tokens", False)
 
         def fn():
-            text = tok.apply_chat_template(messages, add_generation_prompt=gen)
+            text = tok.apply_chat_template(messages, **options)
             return tok.encode(text, add_special_tokens=special)
     try:
         ids = await run_in_threadpool(fn)

@@ -66,6 +66,28 @@ def echo(value, limit: int = 100) -> str:
     return encodable(text)
 
 
+def engine_error(exc: Exception, default_param: str = "prompt") -> APIError:
+    """The 400 of a request the engine refused (`ValueError`/`TypeError` from `add_request`).
+
+    A prompt too long for max_model_len (`minfer.sequence.CONTEXT_LENGTH_ERROR`) is answered as vLLM answers
+    it: a message that starts with OpenAI's words "This model's maximum context length is N tokens." and
+    OpenAI's code "context_length_exceeded". litellm raises its `ContextWindowExceededError` on those words
+    (`exception_mapping_utils.exception_type`); LangChain its `ContextOverflowError` when
+    "context_length_exceeded" is in the error's text (langchain_openai `_handle_openai_bad_request`), which
+    newer openai clients make of the message alone, so the code is named in the message too. The engine's
+    message arrives as text (from the engine process), so it is recognised by its wording.
+    """
+    from minfer.sequence import CONTEXT_LENGTH_ERROR
+
+    message = str(exc)
+    found = CONTEXT_LENGTH_ERROR.search(message)
+    if found:
+        return APIError(400, f"This model's maximum context length is {found.group(1)} tokens. "
+                             f"{message[:1].upper()}{message[1:]} (code: context_length_exceeded)",
+                        param=default_param, code="context_length_exceeded")
+    return APIError(400, message, param=param_of(exc) or default_param)
+
+
 def param_of(exc: Exception) -> str | None:
     """The field a SamplingParams/engine ValueError names ("SamplingParams.top_p must be ..." -> "top_p")."""
     m = re.search(r"SamplingParams\.(\w+)", str(exc))
@@ -306,6 +328,34 @@ def parse_prompts(body: dict) -> list:
         raise APIError(400, "'prompt' is required", param="prompt")
     raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list of lists of "
                         "token ids (non-empty)", param="prompt")
+
+
+def chat_template_options(body: dict) -> dict:
+    """vLLM's chat-template controls of a chat body, checked, as keyword arguments of
+    `Tokenizer.apply_chat_template` (those that differ from its defaults): `add_generation_prompt` (default
+    true), `continue_final_message` (default false; not with add_generation_prompt) and
+    `chat_template_kwargs` (an object).
+
+    Raises:
+        APIError(400): a non-boolean control, both controls true, or bad chat_template_kwargs.
+    """
+    from minfer.tokenizer import check_chat_template_kwargs
+
+    gen = _get_bool(body, "add_generation_prompt", True)
+    cont = _get_bool(body, "continue_final_message", False)
+    if gen and cont:
+        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true: set "
+                            "add_generation_prompt to false to continue the last message",
+                       param="continue_final_message")
+    try:
+        kwargs = check_chat_template_kwargs(body.get("chat_template_kwargs"))
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="chat_template_kwargs") from None
+    options = {"add_generation_prompt": gen, "continue_final_message": cont, "chat_template_kwargs": kwargs}
+    return {k: v for k, v in options.items() if v != _TEMPLATE_DEFAULTS[k]}  # the defaults go without saying
+
+
+_TEMPLATE_DEFAULTS = {"add_generation_prompt": True, "continue_final_message": False, "chat_template_kwargs": {}}
 
 
 def normalize_messages(messages) -> list[dict]:

@@ -46,7 +46,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.metrics_core import Metric
 from prometheus_client.samples import Sample
 
-from minfer.serve.metrics import ServerMetrics, _WithVllmNames
+from minfer.serve.metrics import API_SERVER_SERIES, RequestParamsMetrics, ServerMetrics, _WithVllmNames
 from minfer.serve.protocol import APIError
 
 logger = logging.getLogger("minfer.serve")
@@ -199,7 +199,7 @@ class _ReplicaCollector:
         families: dict[str, Metric] = {}
         for i, metrics in enumerate(self.replicas):
             for fam in metrics.registry.collect():
-                if fam.name in ("minfer:request_errors", "minfer:request_fallbacks"):  # counted by the API server
+                if fam.name in API_SERVER_SERIES:  # counted by the API server
                     continue
                 out = families.get(fam.name)
                 if out is None:
@@ -209,7 +209,7 @@ class _ReplicaCollector:
         return list(families.values())
 
 
-class DPMetrics:
+class DPMetrics(RequestParamsMetrics):
     """What `build_app` and the routes read of a client's `metrics`: `render()` and `count_error(status)`.
 
     Args:
@@ -233,6 +233,7 @@ class DPMetrics:
 
         self._fallbacks = Counter("minfer:request_fallbacks", "Fallbacks applied by the API server (fallbacks.py), "
                                   "counted before any routing.", ["model_name", "kind"], registry=r)
+        self._init_request_params(r, model_name)
 
     def count_error(self, status: int) -> None:
         self._errors.labels(self.model_name, str(status)).inc()

@@ -11,6 +11,7 @@
 | GET / | the demo page (`static/index.html`), with a Content-Security-Policy that allows only its own code |
 | GET /v1/models/{id}, POST /tokenize, /detokenize, GET /version, /ping | `ops_routes.py` (vLLM's and OpenAI's extra routes) |
 | POST /generate | vLLM's legacy api_server route (`legacy_api.py`) |
+| POST /v1/responses, GET /v1/responses/{id} | OpenAI's Responses API, translated to and from chat (`responses.py`) |
 
 Each GET route also answers HEAD (the same headers, no body). Each handler only parses (with `protocol`, after
 the admission checks of `limits`) and hands over (to `serving.OpenAIServing`). They find what they share in
@@ -51,11 +52,12 @@ from minfer.serve.limits import (
     check_tool_chars, read_body, require_json)
 from minfer.serve.metrics import ServerMetrics
 from minfer.serve.protocol import (
-    DEFAULT_COMPLETION_MAX_TOKENS, APIError, echo_setting, normalize_messages, parse_json_body, parse_prompts,
-    resolve_model, sampling_params)
+    DEFAULT_COMPLETION_MAX_TOKENS, APIError, chat_template_options, echo_setting, normalize_messages,
+    parse_json_body, parse_prompts, resolve_model, sampling_params)
 from minfer.serve.fallbacks import FallbackConfig, truncate_prompt_tokens_setting
 from minfer.serve.legacy_api import router as legacy_router
 from minfer.serve.ops_routes import router as ops_router
+from minfer.serve.responses import router as responses_router
 from minfer.serve.serving import OpenAIServing
 
 logger = logging.getLogger("minfer.serve")
@@ -177,12 +179,19 @@ async def chat_completions(request: Request):
         return await _chat_beam_search(request, serving, body, model)
     params = sampling_params(body, chat=True)
     check_fan_out(1, params.n, serving.limits)
+    return await serve_chat(request, serving, body, model, params)
+
+
+async def serve_chat(request: Request, serving: OpenAIServing, body: dict, model: str, params: SamplingParams):
+    """A chat body whose sampling parameters are read: render its messages (with its tools and template
+    controls), then generate. Also what /v1/responses runs, on the chat body it translates to."""
     check_message_chars(body.get("messages"), serving.limits, serving.max_model_len)
     if body.get("tools"):  # counted even when tool_choice is "none": they are checked, if not shown
         check_tool_chars(body.get("messages"), body.get("tools"), serving.limits, serving.max_model_len)
+    options = chat_template_options(body)
     tools, params = _chat_tools(body, params)
     messages = body.get("messages") if tools is not None else normalize_messages(body.get("messages"))
-    prompt = await _render_chat(serving, messages, tools)
+    prompt = await _render_chat(serving, messages, tools, options)
     return await serving.generate(request, body, [prompt], params, chat=True, model=model, id_prefix="chatcmpl",
                                   default_max_tokens=None, tools=tools)
 
@@ -198,13 +207,14 @@ async def _chat_beam_search(request: Request, serving: OpenAIServing, body: dict
     check_fan_out(1, params.beam_width, serving.limits)
     check_message_chars(body.get("messages"), serving.limits, serving.max_model_len)
     messages = normalize_messages(body.get("messages"))
-    prompt = await _render_chat(serving, messages, None)
+    prompt = await _render_chat(serving, messages, None, chat_template_options(body))
     return await serve_beam_search(serving, request, body, [prompt], model, serving.max_model_len, chat=True)
 
 
-async def _render_chat(serving: OpenAIServing, messages, tools) -> list[int]:
+async def _render_chat(serving: OpenAIServing, messages, tools, options: dict) -> list[int]:
     """The chat prompt's token ids: rendered with the template (and `tools`, a `serve.tools.ToolRequest`),
     its length checked (`limits.check_rendered_chars`), then tokenized; both steps off the event loop.
+    `options`: the chat-template controls (`protocol.chat_template_options`).
 
     Token ids, not text: the template already holds any BOS, and the engine would add another when it
     tokenized a string.
@@ -215,8 +225,8 @@ async def _render_chat(serving: OpenAIServing, messages, tools) -> list[int]:
         if tools is not None:
             from minfer.serve.tools import render_text
 
-            return render_text(tokenizer, messages, tools)
-        return tokenizer.apply_chat_template(messages)
+            return render_text(tokenizer, messages, tools, options)
+        return tokenizer.apply_chat_template(messages, **options)
 
     try:
         text = await run_in_threadpool(render)
@@ -324,7 +334,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException):
 def _allowed_methods(scope) -> str:
     """The methods of every route at this path (Starlette's own 405 names only the first route's)."""
     methods = set()
-    for route in [*router.routes, *ops_router.routes, *legacy_router.routes]:
+    for route in [*router.routes, *ops_router.routes, *legacy_router.routes, *responses_router.routes]:
         match, _ = route.matches(scope)
         if match is not Match.NONE:
             methods |= route.methods
@@ -417,6 +427,7 @@ def build_app(engine, served_model_names: list[str] | str | None = None, api_key
     app.state.metrics.set_cache_config(cache_config_labels(engine_loop, engine))
     if api_key:
         app.add_middleware(_AuthMiddleware, api_key=api_key, metrics=app.state.metrics)
+    app.state.metrics.instrument_http(app)  # outside the key check: a 401 is counted too
 
     async def refuse(scope, receive, send, err: APIError) -> None:
         await error_response(app.state.metrics, err)(scope, receive, send)
@@ -425,6 +436,7 @@ def build_app(engine, served_model_names: list[str] | str | None = None, api_key
     app.include_router(router)
     app.include_router(ops_router)
     app.include_router(legacy_router)
+    app.include_router(responses_router)
     return app
 
 

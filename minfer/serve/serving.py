@@ -100,6 +100,10 @@ class OpenAIServing:
             if self.engine_loop.metrics is not None:
                 self.engine_loop.metrics.count_fallback("max_tokens_capped")
         await group.submit(prompts, per_prompt, arrival)
+        metrics = self.engine_loop.metrics
+        if metrics is not None:
+            for p in per_prompt:
+                metrics.observe_request_params(p.n, p.max_tokens)
         created = int(time.time())
         k = params.logprobs or 0
         deadline = Deadline(arrival, timeout)
@@ -123,6 +127,9 @@ class OpenAIServing:
             _count_timeout(self.engine_loop.metrics)
         else:
             snaps = [final[rid] for rid in group.rids]
+        if metrics is not None:
+            for snap in snaps:
+                metrics.observe_max_generation_tokens(max((len(o.token_ids) for o in snap.outputs), default=0))
         answer = completion_response(req_id, created, model, snaps, params.n, k,
                                      self.tok_text, chat=chat, echo_prompts=echo_prompts, score_only=score_only)
         if tools is not None:
@@ -216,6 +223,10 @@ async def _stream(group: RequestGroup, chunks: StreamChunks, include_usage: bool
         if group.unfinished:
             logger.info("request %s: stream closed early, aborting", req_id)
         group.abort()
+        if metrics is not None:
+            for rid in group.rids:
+                metrics.observe_max_generation_tokens(max(
+                    (v for (r, _), v in chunks.completion_tokens.items() if r == rid), default=0))
 
 
 class _SSEResponse(StreamingResponse):

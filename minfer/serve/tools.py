@@ -25,13 +25,21 @@ array of calls, several `<tool_call>` blocks, or one call object per line become
 order; with `parallel_tool_calls: false` only the first is returned. A forced tool_choice constrains the output
 to one call, or, when the request says `parallel_tool_calls: true` explicitly, to one call or a non-empty array
 of calls (left out, the forced grammar stays one call: a small model offered the array tends to repeat calls).
-A streamed answer with tools sends its call (or its text) in one delta when the output is complete
-(vLLM's tool parsers stream the arguments as they grow).
+A streamed answer with tools streams its text as it is generated once the output cannot be a call any more
+(`is_text`: it starts with prose); a call (or text that began like one) is sent in one delta when the output
+is complete (vLLM's tool parsers stream the arguments as they grow).
+
+Strictness: a forced call's grammar closes every object schema that lists its `properties`
+(`"additionalProperties": false`, `strict_schema`), as xgrammar's strict mode (vLLM's default) does, so the
+model cannot invent keys; a function with `"strict": false` opts out (JSON Schema's own rule: extra keys
+allowed). A forced call cut by `max_tokens` is returned in `tool_calls` with its arguments as written so far
+(not valid JSON) and finish_reason "length", as vLLM does (`partial_call`).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 
@@ -55,6 +63,7 @@ class ToolRequest:
     functions: dict[str, dict] = field(default_factory=dict)  # name -> {"name", "description", "parameters"}
     parallel: bool = True  # parallel_tool_calls: more than one call may be returned
     parallel_explicit: bool = False  # the request said parallel_tool_calls: true (the forced grammar takes arrays)
+    loose: set = field(default_factory=set)  # names of functions whose `strict` is false (JSON Schema's own rules)
 
     @property
     def constrained(self) -> bool:
@@ -78,6 +87,7 @@ def parse_tools(body: dict) -> ToolRequest | None:
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
         raise APIError(400, f"tools must be a list of at most {MAX_TOOLS} function tools", param="tools")
     functions: dict[str, dict] = {}
+    loose = set()
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
@@ -91,6 +101,11 @@ def parse_tools(body: dict) -> ToolRequest | None:
                            param="tools")
         if fn["name"] in functions:
             raise APIError(400, f"tools[{i}]: the function name {echo(fn['name'])} is used twice", param="tools")
+        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+            raise APIError(400, f"tools[{i}].function.strict must be a boolean, got {echo(fn['strict'])}",
+                           param="tools")
+        if fn.get("strict") is False:
+            loose.add(fn["name"])
         functions[fn["name"]] = {"name": fn["name"], "description": fn.get("description") or "",
                                  "parameters": params}
     if choice is None:
@@ -107,6 +122,7 @@ def parse_tools(body: dict) -> ToolRequest | None:
         raise APIError(400, "tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
                             f"\"function\": {{\"name\": ...}}}}, got {echo(choice)}", param="tool_choice")
     req.parallel, req.parallel_explicit = parallel is not False, parallel is True
+    req.loose = loose
     return None if req.choice == "none" else req
 
 
@@ -157,6 +173,33 @@ def _ref_loop(schema) -> bool:
     return False
 
 
+def strict_schema(schema):
+    """`schema` with `"additionalProperties": false` on every object schema that lists its `properties` and
+    says nothing about others, as xgrammar's strict mode (vLLM's default) compiles it and as OpenAI's strict
+    function calling requires: without it the model may add keys of its own (`{"city": "Paris",
+    "temperature": 25}`). An object that sets `additionalProperties`, `patternProperties` or
+    `unevaluatedProperties` keeps its rule; one without `properties` (a free-form `{"type": "object"}`) stays
+    open; the parts of an `allOf` are left open (each closed, their union could match nothing)."""
+    if isinstance(schema, list):
+        return [strict_schema(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k in _NOT_SCHEMAS:
+            out[k] = v
+        elif k in _NAMED and isinstance(v, dict):
+            out[k] = {name: strict_schema(sub) for name, sub in v.items()}
+        elif k == "allOf" and isinstance(v, list):
+            out[k] = [{kk: strict_schema(vv) if kk not in _NOT_SCHEMAS else vv for kk, vv in part.items()}
+                      if isinstance(part, dict) else part for part in v]
+        else:
+            out[k] = strict_schema(v)
+    if "properties" in out and not {"additionalProperties", "patternProperties", "unevaluatedProperties"} & set(out):
+        out["additionalProperties"] = False
+    return out
+
+
 def _call_parts(req: ToolRequest) -> tuple[dict, dict]:
     """(the schema of one call without its `$defs`, those `$defs`). Each tool's parameters live in the root's
     `$defs` (refs rebased), not nested under properties.arguments, where "#/$defs/City" would not resolve."""
@@ -164,7 +207,8 @@ def _call_parts(req: ToolRequest) -> tuple[dict, dict]:
     defs, alts = {}, []
     for k, n in enumerate(names):
         key = f"minfer_tool_{k}"
-        defs[key] = _rebase(req.functions[n]["parameters"], f"#/$defs/{key}")
+        params = req.functions[n]["parameters"]
+        defs[key] = _rebase(params if n in req.loose else strict_schema(params), f"#/$defs/{key}")
         alts.append({"type": "object", "properties": {"name": {"const": n}, "arguments": {"$ref": f"#/$defs/{key}"}},
                      "required": ["name", "arguments"], "additionalProperties": False})
     return (alts[0] if len(alts) == 1 else {"anyOf": alts}), defs
@@ -294,27 +338,28 @@ def _messages(raw: list, native: bool) -> list[dict]:
     return out
 
 
-def render_prompt(tokenizer, raw_messages, req: ToolRequest) -> list[int]:
+def render_prompt(tokenizer, raw_messages, req: ToolRequest, options: dict | None = None) -> list[int]:
     """The prompt's token ids, with the tools shown to the model (`render_text`, then tokenized).
 
     Raises:
         ValueError: messages the template cannot render.
     """
-    return tokenizer.encode(render_text(tokenizer, raw_messages, req), add_special_tokens=False)
+    return tokenizer.encode(render_text(tokenizer, raw_messages, req, options), add_special_tokens=False)
 
 
-def render_text(tokenizer, raw_messages, req: ToolRequest) -> str:
+def render_text(tokenizer, raw_messages, req: ToolRequest, options: dict | None = None) -> str:
     """The prompt's text, with the tools shown to the model (see the module docstring); the server checks its
-    length before tokenizing it (`limits.check_rendered_chars`).
+    length before tokenizing it (`limits.check_rendered_chars`). `options`: the chat-template controls
+    (`protocol.chat_template_options`).
 
     Raises:
         ValueError: messages the template cannot render.
     """
-    hf = tokenizer.hf
-    native = template_renders_tools(hf)
+    options = options or {}
+    native = template_renders_tools(tokenizer.hf)
     msgs = _messages(raw_messages, native)
     if native:
-        text = hf.apply_chat_template(msgs, tools=req.tools, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(msgs, tools=req.tools, normalize=False, **options)
     else:
         listing = "\n".join(json.dumps(f, ensure_ascii=False) for f in req.functions.values())
         auto = " If no function fits, answer in plain text." if req.choice == "auto" else ""
@@ -324,7 +369,7 @@ def render_text(tokenizer, raw_messages, req: ToolRequest) -> str:
             msgs = [{"role": "system", "content": msgs[0]["content"] + "\n\n" + system}] + msgs[1:]
         else:
             msgs = [{"role": "system", "content": system}] + msgs
-        text = tokenizer.apply_chat_template(msgs)
+        text = tokenizer.apply_chat_template(msgs, **options)
     return text
 
 
@@ -393,11 +438,33 @@ def parse_output(text: str, req: ToolRequest) -> tuple[str | None, list[dict]]:
     return None, calls if req.parallel else calls[:1]
 
 
+_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_ARGUMENTS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
+
+
+def partial_call(text: str, req: ToolRequest) -> dict | None:
+    """The call a forced tool_choice was writing when max_tokens cut it, as vLLM returns it: a tool call
+    whose `arguments` is the JSON text written so far (not valid JSON), with `finish_reason` "length". None
+    when the output got no further than the function's name (then it stays `content`)."""
+    if not req.constrained:
+        return None
+    found = _NAME.search(text)
+    name = found.group(1) if found else None
+    if name not in req.functions:
+        return None
+    args = _ARGUMENTS.search(text, found.end())
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": text[args.end():] if args else ""}}
+
+
 def rewrite_response(resp: dict, req: ToolRequest) -> dict:
     """A chat.completion answer with each choice's call moved from `content` to `tool_calls`
-    (finish_reason "tool_calls")."""
+    (finish_reason "tool_calls"; a forced call cut by max_tokens: `partial_call`, finish_reason "length")."""
     for c in resp["choices"]:
         content, calls = parse_output(c["message"]["content"] or "", req)
+        if not calls and c["finish_reason"] == "length":
+            cut = partial_call(c["message"]["content"] or "", req)
+            content, calls = (None, [cut]) if cut is not None else (content, calls)
         if calls:
             c["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
             if c["finish_reason"] == "stop":
@@ -405,24 +472,41 @@ def rewrite_response(resp: dict, req: ToolRequest) -> dict:
     return resp
 
 
+def is_text(text: str) -> bool:
+    """Whether an output, from what has been written of it, can no longer become a call: it starts with
+    something other than `{`, `[` or (a prefix of) `<tool_call>`. Until then a stream holds it back."""
+    head = text.lstrip()[:len("<tool_call>")]
+    return bool(head) and not head.startswith(("{", "[")) and not "<tool_call>".startswith(head) \
+        and not head.startswith("<tool_call>")
+
+
 class ToolStreamChunks(StreamChunks):
-    """`StreamChunks` for a request with tools: each choice's output is held until it is complete, then sent
-    in one delta, as `tool_calls` (finish_reason "tool_calls") if it is a call, else as `content`."""
+    """`StreamChunks` for a request with tools. With tool_choice "auto", an output that `is_text` streams its
+    text as it is generated; one that may be a call is held until it is complete, then sent in one delta, as
+    `tool_calls` (finish_reason "tool_calls") if it is a call, else as `content`. A forced call cut by
+    max_tokens is sent as `partial_call` (finish_reason "length")."""
 
     def __init__(self, *args, tool_request: ToolRequest, **kwargs):
         super().__init__(*args, **kwargs)
         self.tool_request = tool_request
+        self.streaming_text: set[tuple] = set()  # choices known to be text: streamed as plain chunks
 
     def _choice_delta(self, request_id: str, o) -> dict | None:
         key = (request_id, o.index)
         if key in self.finished:
             return None
+        if key in self.streaming_text or (not self.tool_request.constrained and is_text(o.text)):
+            self.streaming_text.add(key)
+            return super()._choice_delta(request_id, o)
         self.completion_tokens[key] = len(o.token_ids)
         if o.finish_reason is None:
             return None
         self.finished.add(key)
         index = self.prompt_index[request_id] * self.n + o.index
         content, calls = parse_output(o.text, self.tool_request)
+        if not calls and o.finish_reason == "length":
+            cut = partial_call(o.text, self.tool_request)
+            calls = [cut] if cut is not None else []
         if calls:
             delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
             finish = "tool_calls" if o.finish_reason == "stop" else o.finish_reason

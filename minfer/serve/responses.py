@@ -1,0 +1,447 @@
+"""OpenAI's Responses API (`POST /v1/responses`, `GET /v1/responses/{id}`) for text generation, as vLLM serves it.
+
+The Responses API is chat with other shapes: `input` (a string, or a list of message, `function_call` and
+`function_call_output` items) plus `instructions` in; a list of output items (`message` with `output_text`
+parts, `function_call`) out. So this module only translates: the request into a chat-completions body, which
+`routes.serve_chat` runs (template, tools, structured output, fallbacks and all), and the chat answer back into
+a Response object, or, streamed, the chat chunks into the Responses event sequence:
+
+    response.created, response.in_progress,
+    [response.output_item.added (message), response.content_part.added,
+     response.output_text.delta ..., response.output_text.done, response.content_part.done,
+     response.output_item.done],
+    [response.output_item.added (function_call), response.function_call_arguments.delta,
+     response.function_call_arguments.done, response.output_item.done] ...,
+    response.completed (its status "incomplete" when cut by max_output_tokens, as vLLM sends it)
+
+| request field | chat-completions field |
+| --- | --- |
+| `input`, `instructions` | `messages` (`instructions` as the first, system, message; not carried to the next turn) |
+| `max_output_tokens`, `temperature`, `top_p` (and vLLM's `top_k`, `min_p`, `seed`, `repetition_penalty`) | the same sampling fields |
+| `text.format` (`json_schema`, `json_object`, `text`) | `response_format` |
+| `tools` (`{"type": "function", "name", "parameters", "strict"}`), `tool_choice`, `parallel_tool_calls` | `tools`, `tool_choice`, `parallel_tool_calls` |
+| `previous_response_id` | the stored conversation of that response, then `input` |
+
+`store` (default true, as OpenAI's) keeps the response and its conversation in memory, in a bounded store
+(`ResponseStore`: the oldest are dropped past `MAX_STORED_RESPONSES`), for `previous_response_id` and
+`GET /v1/responses/{id}`; an id that is not there is a 404 there and a 400 (`previous_response_not_found`) as
+a `previous_response_id`. Built-in tools (web search, file search...), background mode and truncation "auto"
+are refused with a 400. Source: https://platform.openai.com/docs/api-reference/responses and vLLM's
+`vllm/entrypoints/openai/serving_responses.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import OrderedDict
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from minfer.serve.protocol import APIError, echo, sampling_params
+
+router = APIRouter()
+
+MAX_STORED_RESPONSES = 1024  # stored responses kept for previous_response_id; the oldest go first
+_SAMPLING_EXTRAS = ("top_k", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop")
+_REFUSED = {"background": "background mode", "conversation": "conversations", "prompt": "prompt templates"}
+
+
+class ResponseStore:
+    """Stored responses: id -> (the Response object, the conversation as chat messages, its output included).
+    At most `capacity`; adding one more drops the oldest (a bounded memory, as a server must have)."""
+
+    def __init__(self, capacity: int = MAX_STORED_RESPONSES):
+        self.capacity = capacity
+        self.items: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
+
+    def put(self, response: dict, messages: list[dict]) -> None:
+        self.items[response["id"]] = (response, messages)
+        while len(self.items) > self.capacity:
+            self.items.popitem(last=False)
+
+    def get(self, response_id: str) -> tuple[dict, list[dict]] | None:
+        return self.items.get(response_id)
+
+
+def _store(request: Request) -> ResponseStore:
+    state = request.app.state
+    if getattr(state, "responses", None) is None:
+        state.responses = ResponseStore()
+    return state.responses
+
+
+# -- the request -> a chat body --------------------------------------------------------------------------------
+def _text_of(content, where: str) -> str:
+    """A message's content as text: a string, or a list of text parts (`input_text`, `output_text`, `text`)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if isinstance(part, str):
+                texts.append(part)
+            elif isinstance(part, dict) and part.get("type") in ("input_text", "output_text", "text") \
+                    and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise APIError(400, f"{where}[{j}]: only text parts are supported (input_text, output_text), "
+                                    f"got {echo(kind)}", param="input")
+        return "".join(texts)
+    raise APIError(400, f"{where} must be a string or a list of text parts, got {echo(content)}", param="input")
+
+
+def input_messages(value) -> list[dict]:
+    """`input` as chat messages: a string is one user message; a list holds messages (`{"role", "content"}`,
+    with or without `"type": "message"`), `function_call` items (an assistant turn's tool calls, consecutive
+    ones joined) and `function_call_output` items (tool results). `reasoning` items are dropped.
+
+    Raises:
+        APIError(400, param="input"): anything else.
+    """
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise APIError(400, "input must be a string or a non-empty list of items", param="input")
+    out: list[dict] = []
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise APIError(400, f"{where} must be an object, got {echo(item)}", param="input")
+        kind = item.get("type", "message")
+        if kind == "message" or (kind is None and "role" in item):
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise APIError(400, f"{where}.role must be user, system, developer or assistant, got {echo(role)}",
+                               param="input")
+            # "developer" is the Responses API's name for system instructions; chat templates know "system"
+            out.append({"role": "system" if role == "developer" else role,
+                        "content": _text_of(item.get("content"), f"{where}.content")})
+        elif kind == "function_call":
+            name, args, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
+            if not all(isinstance(x, str) for x in (name, args, call_id)):
+                raise APIError(400, f"{where}: a function_call needs string name, arguments and call_id",
+                               param="input")
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") and not out[-1]["content"]:
+                out[-1]["tool_calls"].append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            call_id = item.get("call_id")
+            if not isinstance(call_id, str):
+                raise APIError(400, f"{where}: a function_call_output needs a string call_id", param="input")
+            out.append({"role": "tool", "tool_call_id": call_id,
+                        "content": _text_of(item.get("output"), f"{where}.output")})
+        elif kind == "reasoning":
+            continue  # minfer's models write no separate reasoning; nothing to show the template
+        else:
+            raise APIError(400, f"{where}: input items of type {echo(kind)} are not supported (message, "
+                                "function_call, function_call_output)", param="input")
+    if not out:
+        raise APIError(400, "input holds no message", param="input")
+    return out
+
+
+def _chat_tools(tools) -> list[dict] | None:
+    """Responses function tools (`{"type": "function", "name", "description", "parameters", "strict"}`) as
+    chat tools; APIError(400) for built-in tools."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise APIError(400, "tools must be a list of function tools", param="tools")
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or t.get("type") != "function":
+            kind = t.get("type") if isinstance(t, dict) else t
+            raise APIError(400, f"tools[{i}]: only function tools are supported, got {echo(kind)}", param="tools")
+        fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _chat_tool_choice(choice):
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    if choice is None or isinstance(choice, str):
+        return choice
+    raise APIError(400, f"tool_choice must be \"none\", \"auto\", \"required\" or {{\"type\": \"function\", "
+                        f"\"name\": ...}}, got {echo(choice)}", param="tool_choice")
+
+
+def _response_format(text) -> dict | None:
+    """`text.format` as chat's `response_format`."""
+    if text is None:
+        return None
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise APIError(400, "text.format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                            "{\"type\": \"json_schema\", \"name\": ..., \"schema\": {...}}", param="text.format")
+    if fmt["type"] != "json_schema":
+        return {"type": fmt["type"]}
+    return {"type": "json_schema", "json_schema": {"name": fmt.get("name") or "response",
+                                                   "schema": fmt.get("schema"), "strict": fmt.get("strict")}}
+
+
+def chat_body(body: dict, history: list[dict]) -> dict:
+    """The chat-completions body of a Responses request, after the stored conversation `history`."""
+    for name, what in _REFUSED.items():
+        if body.get(name) not in (None, False):
+            raise APIError(400, f"{what} ('{name}') are not supported by minfer", param=name)
+    if body.get("truncation") not in (None, "disabled"):
+        raise APIError(400, "truncation must be \"disabled\": minfer does not drop context to fit",
+                       param="truncation")
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise APIError(400, f"instructions must be a string, got {echo(instructions)}", param="instructions")
+    messages = ([{"role": "system", "content": instructions}] if instructions else []) + history \
+        + input_messages(body.get("input"))
+    chat = {"messages": messages, "stream": body.get("stream", False)}
+    if body.get("stream") is True:
+        chat["stream_options"] = {"include_usage": True}
+    for src, dst in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
+                     ("parallel_tool_calls", "parallel_tool_calls"), *((k, k) for k in _SAMPLING_EXTRAS)):
+        if body.get(src) is not None:
+            chat[dst] = body[src]
+    tools = _chat_tools(body.get("tools"))
+    if tools:
+        chat["tools"] = tools
+        if body.get("tool_choice") is not None:
+            chat["tool_choice"] = _chat_tool_choice(body["tool_choice"])
+    elif body.get("tool_choice") not in (None, "none", "auto"):
+        raise APIError(400, "tool_choice needs tools", param="tool_choice")
+    rf = _response_format(body.get("text"))
+    if rf is not None:
+        chat["response_format"] = rf
+    return chat
+
+
+# -- the answer -------------------------------------------------------------------------------------------
+def _usage(u: dict | None) -> dict | None:
+    if u is None:
+        return None
+    return {"input_tokens": u["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": u["total_tokens"]}
+
+
+def _message_item(item_id: str, text: str, status: str = "completed") -> dict:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def _call_item(call: dict, status: str = "completed") -> dict:
+    return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
+            "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
+
+
+def _status(finish_reason: str | None) -> tuple[str, dict | None]:
+    if finish_reason in ("stop", "tool_calls", None):
+        return "completed", None
+    reason = "max_output_tokens" if finish_reason == "length" else finish_reason
+    return "incomplete", {"reason": reason}
+
+
+class Shell:
+    """The fields of a Response that do not depend on the output: the request's settings, echoed."""
+
+    def __init__(self, body: dict, model: str):
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.created_at = int(time.time())
+        self.body, self.model = body, model
+
+    def response(self, status: str, output: list[dict], usage: dict | None = None,
+                 incomplete: dict | None = None, error: dict | None = None) -> dict:
+        b = self.body
+        text = b.get("text") if isinstance(b.get("text"), dict) else {}
+        return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+                "completed_at": int(time.time()) if status == "completed" else None,
+                "error": error, "incomplete_details": incomplete, "instructions": b.get("instructions"),
+                "max_output_tokens": b.get("max_output_tokens"), "model": self.model, "output": output,
+                "parallel_tool_calls": b.get("parallel_tool_calls", True),
+                "previous_response_id": b.get("previous_response_id"), "reasoning": None,
+                "store": b.get("store", True), "temperature": b.get("temperature", 1.0),
+                "text": {"format": text.get("format") or {"type": "text"}},
+                "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [],
+                "top_p": b.get("top_p", 1.0), "truncation": "disabled", "usage": usage,
+                "user": b.get("user"), "metadata": b.get("metadata") or {}}
+
+
+def output_items(message: dict) -> list[dict]:
+    """A chat answer's message as Response output items: its text as a `message`, then each tool call as a
+    `function_call`."""
+    items = []
+    if message.get("content"):
+        items.append(_message_item(f"msg_{uuid.uuid4().hex}", message["content"]))
+    items += [_call_item(c) for c in message.get("tool_calls") or []]
+    return items
+
+
+def conversation_after(messages: list[dict], output: list[dict]) -> list[dict]:
+    """The chat messages of a finished turn (its `instructions` left out) with its output appended, as the
+    next turn's history."""
+    out = [dict(m) for m in messages]
+    text = "".join(p["text"] for it in output if it["type"] == "message" for p in it["content"])
+    calls = [{"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}}
+             for it in output if it["type"] == "function_call"]
+    turn = {"role": "assistant", "content": text or None}
+    if calls:
+        turn["tool_calls"] = calls
+    return out + [turn]
+
+
+# -- the routes -------------------------------------------------------------------------------------------
+@router.post("/v1/responses")
+async def create_response(request: Request):
+    from minfer.serve.routes import _read, serve_chat
+
+    serving, body, model = await _read(request)
+    store = _store(request)
+    history: list[dict] = []
+    prev = body.get("previous_response_id")
+    if prev is not None:
+        found = store.get(prev) if isinstance(prev, str) else None
+        if found is None:
+            raise APIError(400, f"Previous response with id {echo(prev)} not found.", param="previous_response_id",
+                           code="previous_response_not_found")
+        history = found[1]
+    if body.get("store") is not None and not isinstance(body.get("store"), bool):
+        raise APIError(400, f"store must be a boolean, got {echo(body['store'])}", param="store")
+    if body.get("n") not in (None, 1):
+        raise APIError(400, "the Responses API returns one output: n must be 1", param="n")
+    chat = chat_body(body, history)
+    params = sampling_params(chat, chat=True)
+    shell = Shell(body, model)
+    instructions = 1 if body.get("instructions") else 0
+    turn = chat["messages"][instructions:]
+    keep = body.get("store", True)
+    answer = await serve_chat(request, serving, chat, model, params)
+    if chat["stream"]:
+        from minfer.serve.serving import _SSEResponse
+
+        headers = {k: v for k, v in answer.headers.items() if k.lower() in ("cache-control", "x-accel-buffering",
+                                                                             "x-max-tokens-capped")}
+        events = _events(answer.body_iterator, shell, turn, store if keep else None)
+        return _SSEResponse(events, media_type="text/event-stream", headers=headers)
+    headers = None
+    if isinstance(answer, JSONResponse):
+        headers = {k: v for k, v in answer.headers.items() if k.lower().startswith("x-")}
+        answer = json.loads(answer.body)
+    elif not isinstance(answer, dict):  # the client left (499): nobody reads it
+        return answer
+    choice = answer["choices"][0]
+    output = output_items(choice["message"])
+    status, incomplete = _status(choice["finish_reason"])
+    response = shell.response(status, output, _usage(answer.get("usage")), incomplete)
+    if keep:
+        store.put(response, conversation_after(turn, output))
+    return JSONResponse(response, headers=headers) if headers else response
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(request: Request, response_id: str):
+    found = _store(request).get(response_id)
+    if found is None:
+        raise APIError(404, f"Response with id {echo(response_id)} not found.", param="response_id",
+                       type="not_found_error")
+    return found[0]
+
+
+# -- streaming ------------------------------------------------------------------------------------------------
+def _event(kind: str, seq: int, **fields) -> str:
+    """One server-sent event of the Responses stream: its type named twice, as OpenAI sends it."""
+    data = json.dumps({"type": kind, "sequence_number": seq, **fields}, ensure_ascii=False)
+    return f"event: {kind}\ndata: {data}\n\n"
+
+
+async def _events(chat_chunks, shell: Shell, turn: list[dict], store: ResponseStore | None):
+    """The Responses events of a streamed answer, from the chat chunks (`serving._stream`) it is made of."""
+    seq = 0
+
+    def ev(kind: str, **fields) -> str:
+        nonlocal seq
+        seq += 1
+        return _event(kind, seq - 1, **fields)
+
+    output: list[dict] = []
+    message: dict | None = None  # the open message item
+    finish, usage, error = None, None, None
+    yield ev("response.created", response=shell.response("in_progress", []))
+    yield ev("response.in_progress", response=shell.response("in_progress", []))
+
+    def close_message():
+        nonlocal message
+        if message is None:
+            return
+        i, text = len(output), message["content"][0]["text"]
+        part = message["content"][0]
+        done = {**message, "status": "completed"}
+        output.append(done)
+        message = None
+        yield ev("response.output_text.done", item_id=done["id"], output_index=i, content_index=0, text=text,
+                 logprobs=[])
+        yield ev("response.content_part.done", item_id=done["id"], output_index=i, content_index=0, part=part)
+        yield ev("response.output_item.done", output_index=i, item=done)
+
+    try:
+        async for raw in chat_chunks:
+            if not raw.startswith("data: {"):
+                continue
+            chunk = json.loads(raw[6:])
+            if "error" in chunk:
+                error = chunk["error"]
+                yield ev("error", code=error.get("code"), message=error.get("message"), param=error.get("param"))
+                continue
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for c in chunk.get("choices") or []:
+                delta = c.get("delta") or {}
+                if delta.get("content"):
+                    if message is None:
+                        message = _message_item(f"msg_{uuid.uuid4().hex}", "", status="in_progress")
+                        i = len(output)
+                        yield ev("response.output_item.added", output_index=i,
+                                 item={**message, "content": []})
+                        yield ev("response.content_part.added", item_id=message["id"], output_index=i,
+                                 content_index=0, part={"type": "output_text", "text": "", "annotations": [],
+                                                        "logprobs": []})
+                    message["content"][0]["text"] += delta["content"]
+                    yield ev("response.output_text.delta", item_id=message["id"], output_index=len(output),
+                             content_index=0, delta=delta["content"], logprobs=[])
+                for call in delta.get("tool_calls") or []:
+                    for e in close_message():
+                        yield e
+                    item = _call_item(call)
+                    i = len(output)
+                    yield ev("response.output_item.added", output_index=i,
+                             item={**item, "arguments": "", "status": "in_progress"})
+                    yield ev("response.function_call_arguments.delta", item_id=item["id"], output_index=i,
+                             delta=item["arguments"])
+                    yield ev("response.function_call_arguments.done", item_id=item["id"], output_index=i,
+                             name=item["name"], arguments=item["arguments"])
+                    yield ev("response.output_item.done", output_index=i, item=item)
+                    output.append(item)
+                if c.get("finish_reason"):
+                    finish = c["finish_reason"]
+        for e in close_message():
+            yield e
+        if error is not None:
+            yield ev("response.failed", response=shell.response("failed", output, _usage(usage), error={
+                "code": error.get("code") or "server_error", "message": error.get("message")}))
+            return
+        status, incomplete = _status(finish)
+        response = shell.response(status, output, _usage(usage), incomplete)
+        if store is not None:
+            store.put(response, conversation_after(turn, output))
+        # Always `response.completed`, its status "incomplete" when max_output_tokens cut it, as vLLM sends it:
+        # the openai client's `responses.stream(...).get_final_response()` waits for that event alone
+        yield ev("response.completed", response=response)
+    finally:
+        aclose = getattr(chat_chunks, "aclose", None)
+        if aclose is not None:
+            await aclose()
