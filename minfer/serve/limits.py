@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import anyio
 from starlette.requests import ClientDisconnect, Request
 
-from minfer.serve.protocol import APIError
+from minfer.serve.protocol import APIError, context_overflow
 
 logger = logging.getLogger("minfer.serve")
 
@@ -199,8 +199,8 @@ def check_fan_out(num_prompts: int, n: int, limits: ServerLimits) -> None:
 
 def _check_chars(chars: int, what: str, param: str, limits: ServerLimits, max_model_len: int) -> None:
     if limits.max_prompt_chars is not None and chars > limits.max_prompt_chars:
-        raise APIError(400, f"{what} has {chars} characters; more than {limits.max_prompt_chars} cannot fit in "
-                            f"max_model_len={max_model_len} tokens (--max-prompt-chars)", param=param)
+        raise context_overflow(f"{what} has {chars} characters; more than {limits.max_prompt_chars} cannot fit in "
+                               f"max_model_len={max_model_len} tokens (--max-prompt-chars)", max_model_len, param)
 
 
 def check_prompt_chars(prompts: list, limits: ServerLimits, max_model_len: int) -> None:
@@ -270,8 +270,8 @@ def check_message_chars(messages, limits: ServerLimits, max_model_len: int) -> N
     """APIError(400) before rendering: more messages than max_model_len (every chat template writes at least one
     token per message: its role marker), or more characters than `max_prompt_chars` (`message_chars`)."""
     if isinstance(messages, list) and len(messages) > max_model_len:
-        raise APIError(400, f"messages has {len(messages)} messages; each costs at least one token, so more than "
-                            f"max_model_len={max_model_len} cannot fit", param="messages")
+        raise context_overflow(f"messages has {len(messages)} messages; each costs at least one token, so more "
+                               f"than max_model_len={max_model_len} cannot fit", max_model_len, "messages")
     _check_chars(message_chars(messages), "messages", "messages", limits, max_model_len)
 
 # ----------------------------------------------------------------------------------------------------------

@@ -82,10 +82,16 @@ def engine_error(exc: Exception, default_param: str = "prompt") -> APIError:
     message = str(exc)
     found = CONTEXT_LENGTH_ERROR.search(message)
     if found:
-        return APIError(400, f"This model's maximum context length is {found.group(1)} tokens. "
-                             f"{message[:1].upper()}{message[1:]} (code: context_length_exceeded)",
-                        param=default_param, code="context_length_exceeded")
+        return context_overflow(message, int(found.group(1)), default_param)
     return APIError(400, message, param=param_of(exc) or default_param)
+
+
+def context_overflow(message: str, max_model_len: int, param: str = "prompt") -> APIError:
+    """The 400 of a prompt that cannot fit in `max_model_len` tokens, in vLLM's and OpenAI's shape (see
+    `engine_error`): "This model's maximum context length is N tokens. <message> (code: context_length_exceeded)"."""
+    return APIError(400, f"This model's maximum context length is {max_model_len} tokens. "
+                         f"{message[:1].upper()}{message[1:]} (code: context_length_exceeded)",
+                    param=param, code="context_length_exceeded")
 
 
 def param_of(exc: Exception) -> str | None:

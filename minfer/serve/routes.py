@@ -52,7 +52,7 @@ from minfer.serve.limits import (
     check_tool_chars, read_body, require_json)
 from minfer.serve.metrics import ServerMetrics
 from minfer.serve.protocol import (
-    DEFAULT_COMPLETION_MAX_TOKENS, APIError, chat_template_options, echo_setting, normalize_messages,
+    DEFAULT_COMPLETION_MAX_TOKENS, APIError, chat_template_options, context_overflow, echo_setting, normalize_messages,
     parse_json_body, parse_prompts, resolve_model, sampling_params)
 from minfer.serve.fallbacks import FallbackConfig, truncate_prompt_tokens_setting
 from minfer.serve.legacy_api import router as legacy_router
@@ -141,9 +141,10 @@ async def completions(request: Request):
         for i, p in enumerate(prompts):
             ids = serving.engine.tokenizer.encode(p) if isinstance(p, str) else p
             if not truncating and len(ids) >= serving.max_model_len:
-                raise APIError(400, f"{'the prompt' if len(prompts) == 1 else f'prompt[{i}]'} has {len(ids)} "
-                                    f"tokens, but max_model_len is {serving.max_model_len}: that leaves no room "
-                                    "for output. Shorten the prompt or raise max_model_len.", param="prompt")
+                raise context_overflow(f"{'the prompt' if len(prompts) == 1 else f'prompt[{i}]'} has {len(ids)} "
+                                       f"tokens, but max_model_len is {serving.max_model_len}: that leaves no room "
+                                       "for output. Shorten the prompt or raise max_model_len.",
+                                       serving.max_model_len)
             out.append(ids)
         return out
 
