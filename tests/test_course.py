@@ -80,3 +80,30 @@ def test_what_is_not_written_yet(capsys):
     for g in gaps:
         print("not written yet:", g)
     assert all(r["chapter"] or r["notebook"] for r in course_rows())
+
+
+# --- issue 30: what the chapters say about the code, checked against the code ---------------------------------
+
+
+def test_guided_requests_speculate_as_chapter_7b_and_the_readme_say(tmp_path):
+    """Chapter 7b §7b.6 and the README say that guided requests speculate: run one with n-gram speculation
+    and check the engine's drafted-token counter moved, and that both texts say so (and neither says not)."""
+    pytest.importorskip("llguidance")
+    from minfer import LLM, SamplingParams
+    from minfer.sampling_params import GuidedDecodingParams
+
+    from .test_structured_output import ENGINE, SCHEMA, save_char_tiny
+
+    llm = LLM(model=save_char_tiny(tmp_path / "m"), **ENGINE,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+                                  "prompt_lookup_min": 1})
+    params = SamplingParams(temperature=0, max_tokens=100, guided_decoding=GuidedDecodingParams(json=SCHEMA))
+    out = llm.generate(['{"name": "ab", "age": 7} ' * 2], params)[0].outputs[0]
+    assert out.finish_reason == "stop" and json.loads(out.text)["name"] is not None
+    assert llm.stats().spec_decode_num_draft_tokens > 0, "a guided request with speculation drafted no token"
+    chapter = re.sub(r"\s+", " ", (ROOT / "chapters/07-spec-decode.md").read_text())
+    readme = re.sub(r"\s+", " ", (ROOT / "README.md").read_text())
+    assert "Guided requests (a JSON schema, a regex, a grammar) are the exception and do speculate" in chapter
+    assert "guided requests do speculate" in readme
+    for text in (chapter, readme):
+        assert not re.search(r"(guided|grammar)[^.]{0,40}(do not|don't|never) speculate", text, re.I)
