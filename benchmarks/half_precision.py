@@ -92,7 +92,8 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     fp16_max = torch.finfo(torch.float16).max
-    result = {"command": f"python benchmarks/half_precision.py --max-tokens {args.max_tokens} --window {args.window}",
+    result = {"command": f"python benchmarks/half_precision.py --max-tokens {args.max_tokens} --window {args.window} "
+                         f"--dtypes {args.dtypes}",
               "model": "smollm2-135m-instruct", "text": "minfer/data/eval_python_docs.txt", "window": args.window,
               "max_tokens": args.max_tokens, "machine": platform.machine(), "loadavg_start": os.getloadavg(),
               "formats": format_ranges(), "rows": [], "activations": {}}
@@ -116,13 +117,17 @@ def main(argv=None) -> int:
               f"{row['nonfinite_activations']}  above fp16 max: {row['sites_above_fp16_max']}", flush=True)
         del llm
         gc.collect()
+        _write(result, args.json)  # after each dtype: a slow one (float16 on a CPU) does not lose the others
+    print("wrote", args.json)
+    return 0
+
+
+def _write(result: dict, path: str) -> None:
     base = result["rows"][0]["ppl"]
     for row in result["rows"]:
         row["ppl_vs_first"] = row["ppl"] / base - 1
     result["loadavg_end"] = os.getloadavg()
-    Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-    print("wrote", args.json)
-    return 0
+    Path(path).write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":
