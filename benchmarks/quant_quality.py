@@ -3,7 +3,8 @@
     python benchmarks/quant_quality.py [--model smollm2-135m-instruct] [--group-size 64]
                                        [--json assets/benchmarks/quant_quality_cpu.json]
 
-For each configuration (float32, bfloat16, int8, int4 RTN at g32 and g64, AWQ and GPTQ at --group-size,
+For each configuration (float32, bfloat16, int8 (W8A8 on a CPU: the integer GEMM rounds activations too),
+int8 W8A16 (weight-only: `{"kernel": "torch"}`), int4 RTN at g32 and g64, AWQ and GPTQ at --group-size,
 gguf, and each `--kv-cache-dtypes` entry the build accepts): `minfer.eval.perplexity` on the first
 --max-tokens tokens of the shipped eval text in windows of --window tokens, and the greedy agreement with
 float32 over 64 tokens on 20 prompts (windows of the eval text after the scored part). AWQ and GPTQ are
@@ -70,6 +71,9 @@ def main(argv=None) -> int:
     work = Path(args.workdir)
     configs = [("float32", {}), (f"int4 g{G} RTN", {"quantization": "int4", "quantization_config": {"group_size": G}}),
                (f"GPTQ g{G}", {"saved": "gptq"}), (f"AWQ g{G}", {"saved": "awq"}), ("int8", {"quantization": "int8"}),
+               # the row above runs the CPU's integer GEMM, which also rounds activations (W8A8); this one
+               # keeps them in bfloat16 (weight-only, W8A16), the comparison the article's claim is about
+               ("int8 W8A16", {"quantization": "int8", "quantization_config": {"kernel": "torch"}}),
                ("int4 g32 RTN", {"quantization": "int4", "quantization_config": {"group_size": 32}}),
                ("gguf (Q4_1 blocks)", {"quantization": "gguf"}), ("bfloat16", {"dtype": "bfloat16"})]
     for kv in filter(None, args.kv_cache_dtypes.split(",")):

@@ -165,8 +165,11 @@ QUANTIZATION_METHODS = ("int8", "int4", "gguf", "awq", "gptq")  # awq/gptq: a sa
 # Names vLLM has that minfer does not build (yet): refused with a message that says so.
 NOT_BUILT_METHODS = ("fp8", "bitsandbytes", "marlin", "gptq_marlin", "awq_marlin")
 # The keys each method's quantization_config accepts.
-CONFIG_KEYS = {"int8": (), "int4": ("group_size",), "gguf": ("kernel",), "awq": (), "gptq": ()}
+CONFIG_KEYS = {"int8": ("kernel",), "int4": ("group_size",), "gguf": ("kernel",), "awq": (), "gptq": ()}
 GGUF_KERNELS = ("blocks", "torch")  # gguf's routes: the file's blocks in minfer's C++ kernel, or torch's ops
+# int8's routes on a CPU: "qgemm", the integer GEMM, which also rounds the activations to int8 blocks of 32
+# (W8A8); "torch", torch's int8-weight op on bfloat16 activations (weight-only, vLLM's W8A16; every other device)
+INT8_KERNELS = ("qgemm", "torch")
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's int4 CPU op supports
 
 
@@ -203,6 +206,8 @@ def parse_quantization_config(quantization: str | None, config) -> dict:
         g = config.get("group_size", None)
         if g is not None and (not isinstance(g, int) or isinstance(g, bool) or g not in INT4_GROUP_SIZES):
             raise ValueError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {g!r}")
+    if quantization == "int8" and config.get("kernel", "qgemm") not in INT8_KERNELS:
+        raise ValueError(f"int8 kernel must be one of {INT8_KERNELS}, got {config['kernel']!r}")
     if quantization == "gguf" and config.get("kernel", "blocks") not in GGUF_KERNELS:
         raise ValueError(f"gguf kernel must be one of {GGUF_KERNELS}, got {config['kernel']!r}")
     return dict(config)

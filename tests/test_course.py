@@ -80,3 +80,96 @@ def test_what_is_not_written_yet(capsys):
     for g in gaps:
         print("not written yet:", g)
     assert all(r["chapter"] or r["notebook"] for r in course_rows())
+
+
+# --- issue 30: what the chapters say about the code, checked against the code ---------------------------------
+
+
+def test_guided_requests_speculate_as_chapter_7b_and_the_readme_say(tmp_path):
+    """Chapter 7b §7b.6 and the README say that guided requests speculate: run one with n-gram speculation
+    and check the engine's drafted-token counter moved, and that both texts say so (and neither says not)."""
+    pytest.importorskip("llguidance")
+    from minfer import LLM, SamplingParams
+    from minfer.sampling_params import GuidedDecodingParams
+
+    from .test_structured_output import ENGINE, SCHEMA, save_char_tiny
+
+    llm = LLM(model=save_char_tiny(tmp_path / "m"), **ENGINE,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+                                  "prompt_lookup_min": 1})
+    params = SamplingParams(temperature=0, max_tokens=100, guided_decoding=GuidedDecodingParams(json=SCHEMA))
+    out = llm.generate(['{"name": "ab", "age": 7} ' * 2], params)[0].outputs[0]
+    assert out.finish_reason == "stop" and json.loads(out.text)["name"] is not None
+    assert llm.stats().spec_decode_num_draft_tokens > 0, "a guided request with speculation drafted no token"
+    chapter = re.sub(r"\s+", " ", (ROOT / "chapters/07-spec-decode.md").read_text())
+    readme = re.sub(r"\s+", " ", (ROOT / "README.md").read_text())
+    assert "Guided requests (a JSON schema, a regex, a grammar) are the exception and do speculate" in chapter
+    assert "guided requests do speculate" in readme
+    for text in (chapter, readme):
+        assert not re.search(r"(guided|grammar)[^.]{0,40}(do not|don't|never) speculate", text, re.I)
+
+
+VERDICTS = {"vLLM's": "accepted", "vLLM's flag, other value": "value refused", "not a vLLM flag": "unknown"}
+
+
+def _verdict_of(row: dict) -> str:
+    """The verdict a row of `assets/benchmarks/vllm_flags.json` earns (benchmarks/vllm_flags.py)."""
+    v = row["vllm"]
+    return "vLLM's" if v["accepted"] else ("vLLM's flag, other value" if v["known"] else "not a vLLM flag")
+
+
+def test_every_flag_of_the_articles_command_is_in_chapter_9s_table_with_its_verdict():
+    """Chapter 9 §9.4's table has a row for each flag of the article's §16 command (read from the article when
+    ../shared/seed has it, else from the committed JSON), with the verdict vLLM's own parser gave it
+    (`assets/benchmarks/vllm_flags.json`, written by `benchmarks/vllm_flags.py`)."""
+    data = json.loads((ROOT / "assets/benchmarks/vllm_flags.json").read_text())
+    flags = [r["flag"] for r in data["article_command"]]
+    article = ROOT.parent / "shared" / "seed" / "llm-inference-a-to-z.ko.txt"
+    if article.is_file():
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("vllm_flags", ROOT / "benchmarks" / "vllm_flags.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        assert [f for f, _ in mod.article_command_from_text(article.read_text(encoding="utf-8"))] == flags
+    assert len(flags) == 20 and len(set(flags)) == 20
+    text = (ROOT / "chapters/09-serving.md").read_text()
+    section = text.split("## 9.4 ", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("| `--") else []
+        if len(cells) >= 4:
+            m = re.match(r"`(--[a-z0-9-]+)", cells[0])
+            if m and cells[2] in VERDICTS:
+                rows[m.group(1)] = cells[2]
+    by_flag = {r["flag"]: r for r in data["flags"]}
+    missing = [f for f in flags if f not in rows]
+    assert not missing, f"flags of the article's command without a row and a verdict in §9.4: {missing}"
+    wrong = {f: (rows[f], _verdict_of(by_flag[f])) for f in flags if rows[f] != _verdict_of(by_flag[f])}
+    assert not wrong, f"§9.4's verdicts differ from vLLM's parser (table, JSON): {wrong}"
+
+
+def test_every_figure_a_chapter_embeds_is_committed():
+    """A chapter read on the web, without Jupyter, shows its notebook's key figure: each `![...](path)` in a
+    chapter names a file that exists (the notebooks save them under assets/figures/)."""
+    missing = []
+    for ch in sorted((ROOT / "chapters").glob("*.md")):
+        for link in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", ch.read_text()):
+            if not (ch.parent / link).resolve().is_file():
+                missing.append(f"{ch.name}: {link}")
+    assert not missing, f"embedded figures that do not exist: {missing}"
+
+
+def test_serve_help_marks_the_articles_spellings_that_vllm_refuses():
+    """minfer accepts every flag of the article's command, and its --help says at each one vLLM's parser refused
+    (`assets/benchmarks/vllm_flags.json`) that the spelling or value is the article's."""
+    from minfer.serve.__main__ import build_parser
+
+    data = json.loads((ROOT / "assets/benchmarks/vllm_flags.json").read_text())
+    parser = build_parser()
+    for row in data["flags"]:
+        argv = [row["flag"]] + ([row["value"]] if row["value"] is not None else [])
+        parser.parse_args(argv)  # accepted (argparse exits otherwise)
+        if not row["vllm"]["accepted"]:
+            help_text = re.sub(r"\s+", " ", parser._option_string_actions[row["flag"]].help)
+            assert "article" in help_text and "vLLM" in help_text, (row["flag"], help_text)

@@ -122,6 +122,7 @@ def test_group_size_that_does_not_divide_is_refused_with_the_width():
     ("int4", {"group_size": "64"}, "group_size must be one of"),
     ("int4", {"bits": 4}, "unknown key"),
     ("int8", {"group_size": 64}, "unknown key"),
+    ("int8", {"kernel": "fast"}, "int8 kernel must be one of"),
     ("int4", "{group_size: 64}", "not valid JSON"),
     ("int4", "[64]", "must be a JSON object"),
     (None, {"group_size": 64}, "without a quantization method"),
@@ -153,6 +154,19 @@ def test_get_method_names():
     m = get_quantization_method("int4", {"group_size": 32}, fb)
     assert m.name == "int4" and m.group_size == 32 and m.fallback is fb
 
+
+
+def test_int8_torch_kernel_is_weight_only_w8a16():
+    """{"kernel": "torch"}: no integer GEMM, so the activations are not rounded to int8 (W8A16: bfloat16 in and
+    out of a product over the int8 weights); the default packs for the integer GEMM where it builds (W8A8)."""
+    fb = UnquantizedLinearMethod()
+    m = get_quantization_method("int8", {"kernel": "torch"}, fb)
+    assert m.cpu_kernel is False and get_quantization_method("int8", None, fb).cpu_kernel is True
+    layer, w = make_linear(m, 80, 320)
+    assert layer.qg_format is None
+    x = torch.randn(9, 320, generator=torch.Generator().manual_seed(0))
+    want = F.linear(x.to(torch.bfloat16).float(), dequantize_int8(layer.qweight, layer.scales)).to(torch.bfloat16)
+    assert torch.allclose(layer(x), want.float(), rtol=2 ** -7, atol=1e-4)
 
 # -- the GGUF file's own blocks -------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """Weight quantization (article §5): each method is a `LinearMethod` (`minfer.model.linear_method`).
 
-    "int8"   per-output-channel symmetric INT8, quantized at load time   (`minfer.quantization.int8`)
+    "int8"   per-output-channel symmetric INT8, quantized at load time   (`minfer.quantization.int8`);
+             {"kernel": "torch"} keeps the activations in bfloat16 on a CPU too (W8A16, not the integer GEMM's W8A8)
     "int4"   group-wise asymmetric INT4 RTN, quantized at load time      (`minfer.quantization.int4`)
     "gguf"   the GGUF file's own Q4_0 / Q4_1 blocks, repacked, never expanded to float32
                                                                           (`minfer.quantization.gguf`)
@@ -28,7 +29,9 @@ def get_quantization_method(quantization: str, config: dict | str | None,
     if quantization == "int8":
         from minfer.quantization.int8 import Int8LinearMethod
 
-        return Int8LinearMethod(fallback=fallback, cpu_kernel=cpu_kernel)
+        # {"kernel": "torch"}: weight-only (W8A16) torch route, not the integer GEMM's W8A8
+        kernel = cpu_kernel if config.get("kernel", "qgemm") == "qgemm" else None
+        return Int8LinearMethod(fallback=fallback, cpu_kernel=kernel)
     if quantization == "int4":
         from minfer.quantization.int4 import DEFAULT_GROUP_SIZE, Int4LinearMethod
 

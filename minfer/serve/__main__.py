@@ -82,12 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
     a("--dtype", default=d["dtype"], metavar="DTYPE", help=f"weight/activation dtype: auto, float32, bfloat16, float16 "
                                           f"(default: {d['dtype']})")
     a("--quantization", "-q", default=d["quantization"], metavar="METHOD",
-      help="weight quantization: int8, int4 or gguf (the .gguf file's own Q4 blocks) (default: none)")
+      help="weight quantization: int8, int4 or gguf (the .gguf file's own Q4 blocks); awq/gptq read a saved directory. "
+           "int8/int4 are the article's names, not vLLM's: vLLM's methods are awq, gptq, fp8, ... (default: none)")
     a("--quantization-config", default=None, metavar="JSON",
       help='the method\'s settings as a JSON object, e.g. \'{"group_size": 64}\' for int4 (default: none)')
     a("--kv-cache-dtype", default=d["kv_cache_dtype"], metavar="DTYPE", help="how the KV pool stores K/V: auto (the model's dtype), float32, bfloat16, "
                                                             "float16, int8, fp8 (= fp8_e4m3), fp8_e5m2 (8-bit ones with a "
-                                                            f"scale per token and head; default: {d['kv_cache_dtype']})")
+                                                            "scale per token and head); the article's short names fp16/"
+                                                            "bf16 and int8 are not vLLM's values "
+                                                            f"(default: {d['kv_cache_dtype']})")
     a("--block-size", type=int, metavar="N", default=d["block_size"], help=f"tokens per KV block (tokens; default: {d['block_size']})")
     a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d["enable_prefix_caching"],
       help=f"reuse KV blocks of shared prompt prefixes (default: {d['enable_prefix_caching']})")
@@ -98,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-num-seqs", type=int, metavar="N", default=d["max_num_seqs"],
       help=f"most sequences in one step (sequences; default: {d['max_num_seqs']})")
     a("--swap-space", type=float, metavar="GIB", default=d["swap_space"],
-      help=f"CPU memory for swapped-out KV of preempted sequences (GiB; default: {d['swap_space']})")
+      help="CPU memory for swapped-out KV of preempted sequences (GiB; the article's flag, which vLLM 0.32 no "
+           f"longer has; default: {d['swap_space']})")
     a("--preemption-mode", choices=["recompute", "swap"], default=d["preemption_mode"],
       help="what to do with a preempted sequence's KV (default: recompute, or swap if --swap-space > 0)")
     a("--enforce-eager", action=argparse.BooleanOptionalAction, default=d["enforce_eager"],
@@ -113,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
            "reference; cpu: the C++ kernel or an error; triton: the Triton kernels (default: "
            f"{d['attention_backend']})")
     a("--enable-flash-attn", action="store_true",
-      help="Triton FlashAttention + paged-decode kernels, i.e. --attention-backend triton (default: off)")
+      help="the article's flag, not vLLM's (vLLM picks its attention kernel with --attention-backend): here "
+           "--attention-backend triton, the Triton FlashAttention + paged-decode kernels (default: off)")
     a("--device", default=d["device"], metavar="DEV", help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     a("--speculative-config", default=None, metavar="JSON",
       help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
@@ -123,7 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--engine-process", action=argparse.BooleanOptionalAction, default=True,
       help="run the engine core in a process of its own, beside the HTTP server, as vLLM v1 does; "
            "--no-engine-process runs it in a thread of the server's process (default: on)")
-    a("--disable-log-requests", action="store_true", help="do not log each request (default: log them)")
+    a("--disable-log-requests", action="store_true",
+      help="do not log each request (the article's flag; vLLM 0.32 logs none unless --enable-log-requests; "
+           "default: log them)")
     a("--uvicorn-log-level", default="info", metavar="LEVEL", choices=["critical", "error", "warning", "info", "debug", "trace"],
       help="uvicorn's log level: critical, error, warning, info, debug, trace (default: info)")
     a("--max-parallel-loading-workers", type=int, metavar="N", default=None,
