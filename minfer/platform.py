@@ -172,6 +172,11 @@ class Platform:
         `run`: not this step, run the model), or None: every step runs `model(...)`."""
         return None
 
+    def graph_runner(self, model: torch.nn.Module, backend, max_num_seqs: int, max_blocks_per_seq: int):
+        """A step runner that needs the KV pool and the attention backend (CUDA graphs capture over them), built
+        once they exist; None where the platform has none."""
+        return None
+
     def configure_allocator(self) -> None:
         """Allocator settings for this device (once per process). Default: none."""
 
@@ -269,21 +274,28 @@ class CpuPlatform(Platform):
 
 
 class CudaPlatform(Platform):
-    """A CUDA GPU: "nn" Linear layout (cuBLAS), Triton's fused ops and sampler with `attention_backend="triton"`.
-
-    `cuda_graph_runner` is the place of the CUDA-graph step runner (`minfer/cuda_graphs.py`, the same
-    `run(input_ids, ctx) -> hidden | None` shape as the CPU's one-call step); `enforce_eager` turns it off."""
+    """A CUDA GPU: "nn" Linear layout (cuBLAS); with kernels="auto" the Triton attention backend (the selector's
+    "auto" on CUDA), Triton's fused element-wise ops and sampler, and the decode step replayed from CUDA graphs
+    (`minfer/cuda_graphs.py`, the same `run(input_ids, ctx) -> hidden | None` shape as the CPU's one-call
+    step); `enforce_eager` turns the graphs off, kernels="reference" all of it."""
 
     name = "cuda"
 
-    def step_runner(self, model: torch.nn.Module):
+    def fused_ops(self, attention_backend: str = "auto") -> bool | str:
+        if self.reference and attention_backend != "triton":
+            return False
+        return "triton" if attention_backend in ("auto", "triton") else False
+
+    def sampler(self, generator: torch.Generator | None, attention_backend: str = "auto"):
+        return super().sampler(generator, "triton" if attention_backend == "auto" else attention_backend)
+
+    def graph_runner(self, model: torch.nn.Module, backend, max_num_seqs: int, max_blocks_per_seq: int):
         if self.reference or self.enforce_eager:
             return None
-        return self.cuda_graph_runner(model)
+        from minfer.cuda_graphs import CudaGraphRunner
 
-    def cuda_graph_runner(self, model: torch.nn.Module):
-        """The CUDA-graph step runner for `model`, or None (none yet: every step runs the model)."""
-        return None
+        return CudaGraphRunner.build(model, backend, max_num_seqs=max_num_seqs,
+                                     max_blocks_per_seq=max_blocks_per_seq, device=self.device)
 
 
 def get_platform(kernels: str = "auto", device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,

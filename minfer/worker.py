@@ -80,6 +80,7 @@ class Worker:
         self.platform = get_platform(args.kernels, self.device, self.dtype, args.enforce_eager)
         self.platform.configure_allocator()
         self.step_runner = self.platform.step_runner(self.model)
+        self.cuda_graphs = None  # the CUDA-graph runner, once init_kv_cache has captured it (CudaPlatform)
         # This rank's part of the KV pool: its KV heads (tensor parallelism) of its stage's layers (pipeline).
         st = self.parallel = get_parallel_state()
         cfg = self.config
@@ -142,6 +143,13 @@ class Worker:
             self.backend = GroupedBackend(inner, layout)
         # Triton's fused sampler with its backend, the C++ one on a CPU, else torch's (the platform decides).
         self.sampler = self.platform.sampler(self.generator, self.args.attention_backend)
+        # CUDA graphs capture over the pool and the backend, so their runner is built now (one rank only).
+        if self.parallel.world_size == 1:
+            max_len = self.args.max_model_len or self.config.max_position_embeddings
+            graphs = self.platform.graph_runner(self.model, self.backend, self.args.max_num_seqs,
+                                                -(-max_len // self.block_size))
+            if graphs is not None:
+                self.step_runner = self.cuda_graphs = graphs
 
     def prepare_inputs(self, batch: "ScheduledBatch") -> tuple[torch.Tensor, ForwardContext, list[int]]:
         """Flat input ids `[num_tokens]` and the ForwardContext of a batch; also which batch rows sample this

@@ -153,3 +153,24 @@ def test_get_platform_picks_by_device_and_kernels():
     assert type(ref.sampler(None)) is Sampler
     # CUDA: no step runner yet, and none with enforce_eager (its CUDA-graph runner's place)
     assert get_platform("auto", "cuda", torch.bfloat16, enforce_eager=True).step_runner(torch.nn.Linear(1, 1)) is None
+
+
+def test_cuda_platform_auto_takes_triton_ops_and_sampler_and_graphs_follow_enforce_eager(monkeypatch):
+    """On CUDA, kernels="auto" with attention_backend="auto" (the selector's Triton there) builds the Triton fused
+    ops and sampler too; the CUDA-graph runner is asked for unless enforce_eager or kernels="reference"
+    (checked without a GPU: the platform is built for a "cuda" device and the capture is stubbed)."""
+    import minfer.cuda_graphs as cg
+    from minfer.kernels.sampler import TritonSampler
+
+    built = []
+    monkeypatch.setattr(cg.CudaGraphRunner, "build", classmethod(lambda cls, *a, **kw: built.append(kw) or "runner"))
+    auto = CudaPlatform("cuda", torch.bfloat16)
+    assert auto.fused_ops("auto") == "triton" and auto.fused_ops("torch") is False
+    assert isinstance(auto.sampler(None, "auto"), TritonSampler)
+    assert auto.graph_runner(object(), object(), max_num_seqs=8, max_blocks_per_seq=4) == "runner"
+    assert built and built[0]["max_num_seqs"] == 8 and built[0]["max_blocks_per_seq"] == 4
+    assert CudaPlatform("cuda", torch.bfloat16, enforce_eager=True).graph_runner(None, None, 8, 4) is None
+    ref = CudaPlatform("cuda", torch.bfloat16, kernels="reference")
+    assert ref.graph_runner(None, None, 8, 4) is None and ref.fused_ops("auto") is False
+    assert not isinstance(ref.sampler(None, "auto"), TritonSampler)
+    assert CpuPlatform("cpu", torch.float32).graph_runner(None, None, 8, 4) is None
