@@ -333,6 +333,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step. Returns a RequestOutput for every request that made progress (text so
         far; `finished` set on the last one). Finished requests are retired and their blocks freed."""
+        # 1. schedule: who runs, how many tokens each, which blocks (drafts first: they take slots)
         t0 = time.perf_counter()
         spec = self.spec_hook
         if spec is not None:
@@ -343,10 +344,12 @@ class LLMEngine:
                 raise RuntimeError("scheduler made no progress with requests pending (pool too small?)")
             return []
         self.structured_hook.prepare(batch, speculating=spec is not None)  # grammar bitmasks
+        # 2. execute: one forward and sampling on the workers
         t1 = time.perf_counter()
         output = self.executor.execute_model(batch)
         self.last_step_num_tokens = int(sum(batch.num_new_tokens))  # vLLM's iteration_tokens_total (server metric)
         t2 = time.perf_counter()
+        # 3. update: computed counts and prefix-cache names, then the new tokens of each sampled row
         if spec is not None:
             spec.on_executed(batch)
         self.scheduler.finish_step(batch)
@@ -354,6 +357,7 @@ class LLMEngine:
         touched = self._update(batch, output, t0, now)
         if spec is not None:
             spec.end_step(batch)
+        # 4. output: a RequestOutput per request that made progress; finished ones are retired
         outputs = self._outputs(touched, now)
         self._steps += 1
         self._sched_time += (t1 - t0) + (time.perf_counter() - t2)
