@@ -2,11 +2,13 @@
 
     add_request ─► Scheduler.schedule ─► executor.execute_model ─► Sequence.append_token ─► OutputProcessor
      (tokenize)    (who runs, which blocks)   (worker: one forward       (stop ids, length)    (detokenize,
-                                               + sampling)                                       stop strings)
+                                               + sampling: a                                     stop strings)
+                                               ModelRunnerOutput)
 
 The engine is the tokenizer, the scheduler (with its block manager) and an executor; the executor's worker
 holds the model, the KV pool, the attention backend and the sampler (`minfer.worker`), and turns each
-`ScheduledBatch` into one forward.
+`ScheduledBatch` into one forward. Structured output and speculative decoding plug into the step through two
+hooks (`minfer.step_hooks`): grammar masks before the forward, drafts before scheduling.
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ from minfer.kv_cache_groups import hybrid_block_manager
 from minfer.memory import physical_memory_bytes
 from minfer.model.gguf import gguf_cache_path
 from minfer.model.sources import resolve_model
-from minfer.outputs import RequestMetrics, RequestOutput
+from minfer.outputs import ModelRunnerOutput, RequestMetrics, RequestOutput
 from minfer.sampling_params import SamplingParams
 from minfer.scheduler import Scheduler
 from minfer.sequence import Sequence, validate_prompt
+from minfer.step_hooks import SpecDecodeHook, StructuredOutputHook
 from minfer.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger("minfer.engine")
@@ -169,9 +172,12 @@ class LLMEngine:
         window = max(local) if local and (layout is not None or len(local) == len(cfg.layer_windows)) else None
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, mnbt, args.enable_chunked_prefill, mode,
                                    sliding_window=window)
-        self.spec_decoder = self._build_spec_decoder(args, num_blocks) if args.speculative_config else None
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.structured_output = None  # a StructuredOutputManager, made by the first guided request
+        # What plugs into the step (minfer/step_hooks.py): grammars, and speculative decoding if configured.
+        self.structured_hook = StructuredOutputHook(self.tokenizer, self.model_config.vocab_size)
+        self.spec_decoder = self._build_spec_decoder(args, num_blocks) if args.speculative_config else None
+        self.spec_hook = None if self.spec_decoder is None else SpecDecodeHook(self.spec_decoder,
+                                                                               self.structured_hook)
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._prompt_tokens = self._gen_tokens = self._steps = 0
@@ -229,6 +235,11 @@ class LLMEngine:
         return cls(args)
 
     @property
+    def structured_output(self):
+        """The `StructuredOutputManager` (its matchers by seq_id), or None before the first guided request."""
+        return self.structured_hook.manager
+
+    @property
     def worker(self):
         """The executor's driver worker: the model (`.model`), KV pool (`.pool`), backend, sampler."""
         return self.executor.driver_worker
@@ -266,20 +277,11 @@ class LLMEngine:
         metrics = RequestMetrics(arrival_time=arrival_time or time.perf_counter())
         seqs = [Sequence(request_id, i, ids, params, self.max_model_len) for i in range(params.n)]
         if params.guided_decoding is not None:  # compiled now: a bad grammar raises before anything is queued
-            self._structured().add([s.seq_id for s in seqs], params.guided_decoding)
+            self.structured_hook.add([s.seq_id for s in seqs], params.guided_decoding)
         self.requests[request_id] = _Request(request_id, text, ids, seqs, metrics)
         for s in seqs:
             self.scheduler.add(s)
         return request_id
-
-    def _structured(self):
-        """The structured-output manager (built on first use: llguidance reads the tokenizer once, ~0.5 s)."""
-        if self.structured_output is None:
-            from minfer.structured_output import StructuredOutputManager
-
-            self.structured_output = StructuredOutputManager(self.tokenizer.hf, self.model_config.vocab_size,
-                                                             tuple(self.tokenizer.eos_token_ids))
-        return self.structured_output
 
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt: a string, a list of token ids, or vLLM's dict forms
@@ -320,10 +322,9 @@ class LLMEngine:
         for s in seqs:
             self.output_processor.free(s)
         self.executor.release([s.seq_id for s in seqs])
-        if self.structured_output is not None:
-            self.structured_output.release([s.seq_id for s in seqs])
-        if self.spec_decoder is not None:
-            self.spec_decoder.release([s.seq_id for s in seqs])
+        self.structured_hook.release([s.seq_id for s in seqs])
+        if self.spec_hook is not None:
+            self.spec_hook.release([s.seq_id for s in seqs])
 
     def check_health(self) -> None:
         """Raise if the executor's workers cannot run a step (`WorkerDiedError`: a parallel worker exited);
@@ -340,53 +341,54 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step. Returns a RequestOutput for every request that made progress (text so
         far; `finished` set on the last one). Finished requests are retired and their blocks freed."""
+        # 1. schedule: who runs, how many tokens each, which blocks (drafts first: they take slots)
         t0 = time.perf_counter()
-        spec = self.spec_decoder
+        spec = self.spec_hook
         if spec is not None:
-            so = self.structured_output
-            if so is not None and so.matchers:  # guided rows draft and verify under their grammar (chapter 7 §7.5)
-                with so.draft_guide() as guide:
-                    spec.propose(self.scheduler.running, guide)
-                so.truncate_drafts(self.scheduler.running)
-            else:
-                spec.propose(self.scheduler.running)
+            spec.propose(self.scheduler.running)  # drafts to verify (a draft model's forward is scheduling time)
         batch = self.scheduler.schedule()
         if not batch:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress with requests pending (pool too small?)")
             return []
-        so = self.structured_output
-        if so is not None and so.matchers:
-            batch.grammar_bitmask = so.bitmask(batch.seqs)
-            if spec is not None:  # a guided row verifies its drafts under the grammar's mask at each position
-                batch.spec_grammar_bitmasks = so.spec_bitmasks(batch.seqs) or None
+        self.structured_hook.prepare(batch, speculating=spec is not None)  # grammar bitmasks
+        # 2. execute: one forward and sampling on the workers
         t1 = time.perf_counter()
-        rows, tokens, chosen, tops = self.executor.execute_model(batch)
+        output = self.executor.execute_model(batch)
         self.last_step_num_tokens = int(sum(batch.num_new_tokens))  # vLLM's iteration_tokens_total (server metric)
         t2 = time.perf_counter()
+        # 3. update: computed counts and prefix-cache names, then the new tokens of each sampled row
         if spec is not None:
-            spec.verified(batch)
+            spec.on_executed(batch)
         self.scheduler.finish_step(batch)
         now = time.perf_counter()
-        touched: dict[str, _Request] = {}
+        touched = self._update(batch, output, t0, now)
+        if spec is not None:
+            spec.end_step(batch)
+        # 4. output: a RequestOutput per request that made progress; finished ones are retired
+        outputs = self._outputs(touched, now)
+        self._steps += 1
+        self._sched_time += (t1 - t0) + (time.perf_counter() - t2)
+        self._fwd_time += t2 - t1
+        return outputs
+
+    def _update(self, batch, output: ModelRunnerOutput, t0: float, now: float) -> dict[str, _Request]:
+        """Append each sampled row's new tokens to its sequence and time the requests; count prompt tokens.
+        Finished sequences leave the scheduler. Returns the requests that made progress, by id."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             req = self.requests.get(seq.request_id)
             if req is not None and req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = t0
             if seq.num_computed_tokens <= seq.num_prompt_tokens:
                 self._prompt_tokens += n
-        for k, j in enumerate(rows):
+        touched: dict[str, _Request] = {}
+        logprobs, tops = output.logprobs, output.top_logprobs
+        for k, j in enumerate(output.sampled_rows):
             seq = batch.seqs[j]
-            if isinstance(tokens[k], list):  # a verified speculation: accepted drafts + one more
-                emitted = self._append_verified(seq, tokens[k], chosen[k] if chosen else None,
-                                                tops[k] if tops else None)
-                spec.accept(seq, emitted, len(seq.spec_token_ids))
-            else:
-                seq.append_token(tokens[k], chosen[k] if chosen else 0.0, tops[k] if tops else None)
-                self.output_processor.process(seq)
-                self._gen_tokens += 1
-                if so is not None and so.accept(seq, tokens[k]) and not seq.is_finished:
-                    seq.finish_reason = "stop"  # the grammar is complete: nothing more may follow
+            emitted = self._append_tokens(seq, output.sampled_token_ids[k], logprobs[k] if logprobs else None,
+                                          tops[k] if tops else None)
+            if seq.spec_token_ids:  # a verified speculation: its accepted drafts become computed
+                self.spec_hook.on_emitted(seq, emitted)
             req = self.requests[seq.request_id]
             if seq.index == 0:
                 m = req.metrics
@@ -396,8 +398,23 @@ class LLMEngine:
             touched[seq.request_id] = req
             if seq.is_finished:
                 self.scheduler.remove(seq)
-        if spec is not None:
-            spec.clear(batch.seqs)
+        return touched
+
+    def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list[float] | None, tops) -> int:
+        """Append a row's new tokens (one, or a verified speculation's several) one by one, stopping where the
+        sequence finishes (a stop token, a stop string, max_tokens, a complete grammar); a guided row's
+        grammar advances by each. Returns how many were appended."""
+        for i, t in enumerate(tokens):
+            seq.append_token(t, logprobs[i] if logprobs else 0.0, tops[i] if tops else None)
+            self.output_processor.process(seq)
+            self._gen_tokens += 1
+            self.structured_hook.accept(seq, t)
+            if seq.is_finished:
+                return i + 1
+        return len(tokens)
+
+    def _outputs(self, touched: dict[str, _Request], now: float) -> list[RequestOutput]:
+        """A RequestOutput per request that made progress; finished requests are retired."""
         outputs = []
         for rid, req in touched.items():
             if req.finished:
@@ -405,25 +422,7 @@ class LLMEngine:
                 del self.requests[rid]
                 self._retire(req.seqs)
             outputs.append(req.output())
-        self._steps += 1
-        self._sched_time += (t1 - t0) + (time.perf_counter() - t2)
-        self._fwd_time += t2 - t1
         return outputs
-
-    def _append_verified(self, seq: Sequence, tokens: list[int], logprobs: list[float] | None, tops) -> int:
-        """Append a verified row's tokens one by one, stopping where the sequence finishes (a stop token,
-        a stop string, max_tokens, a complete grammar); a guided row's matcher advances by each. Returns how
-        many were appended."""
-        so = self.structured_output
-        for i, t in enumerate(tokens):
-            seq.append_token(t, logprobs[i] if logprobs else 0.0, tops[i] if tops else None)
-            self.output_processor.process(seq)
-            self._gen_tokens += 1
-            if so is not None and so.accept(seq, t) and not seq.is_finished:
-                seq.finish_reason = "stop"  # the grammar is complete: the rest of the row is dropped
-            if seq.is_finished:
-                return i + 1
-        return len(tokens)
 
     # -- observability -------------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

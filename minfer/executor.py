@@ -5,7 +5,7 @@
 CUDA) for the tensors of a step, and by one control connection per worker for the commands:
 
     engine (rank 0: the driver, and worker 0 in this process)
-      |-- control connection (pickled ScheduledBatch in, sampled tokens out) --> worker rank 1 .. N-1
+      |-- control connection (pickled ScheduledBatch in, ModelRunnerOutput out) --> worker rank 1 .. N-1
       '-- torch.distributed: all-reduce inside a stage, send/recv between stages, among all N ranks
 
 The scheduler and block manager stay in the driver; every rank gets each step's batch and runs
@@ -34,6 +34,7 @@ from minfer.config import EngineArgs, verify_parallel_config
 from minfer.worker import Worker
 
 if TYPE_CHECKING:
+    from minfer.outputs import ModelRunnerOutput
     from minfer.scheduler import ScheduledBatch
 
 logger = logging.getLogger("minfer.executor")
@@ -54,7 +55,7 @@ class UniProcExecutor:
     def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         self.driver_worker.init_kv_cache(num_blocks, num_cpu_blocks)
 
-    def execute_model(self, batch: "ScheduledBatch"):
+    def execute_model(self, batch: "ScheduledBatch") -> "ModelRunnerOutput":
         """One step's forward and sampling; see `Worker.execute_model`."""
         return self.driver_worker.execute_model(batch)
 
@@ -253,11 +254,11 @@ class MultiprocExecutor:
     def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         self._run("init_kv_cache", num_blocks, num_cpu_blocks)
 
-    def execute_model(self, batch: "ScheduledBatch"):
-        """One step on every rank; (rows, tokens, chosen-token logprobs, top logprobs) from the output rank."""
-        rows, tokens, chosen, tops, plp = self._run("execute_parallel", batch, True)
-        self._restore_prompt_logprobs(batch, plp)
-        return rows, tokens, chosen, tops
+    def execute_model(self, batch: "ScheduledBatch") -> "ModelRunnerOutput":
+        """One step on every rank; the output rank's `ModelRunnerOutput`."""
+        output = self._run("execute_parallel", batch, True)
+        self._restore_prompt_logprobs(batch, output.prompt_logprobs)
+        return output
 
     def compute_logits(self, batch: "ScheduledBatch"):
         """One step without sampling: (rows, float32 `[rows, V]` logits), gathered on the output rank."""

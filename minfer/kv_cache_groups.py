@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from minfer.attention.grouped import KVCacheLayout
 from minfer.block_manager import BlockManager, NoFreeBlocksError
+from minfer.block_policies import first_visible_block
 from minfer.sequence import Sequence
 
 def hybrid_block_manager(layout: KVCacheLayout, num_blocks: int, block_size: int, num_cpu_blocks: int,
@@ -58,8 +59,9 @@ class HybridBlockManager(BlockManager):
 
     `seq.block_table` is group 0's (full attention), `seq.group_block_tables` the others'.
     `group_freed[seq_id][g]` counts the leading entries of group g that are placeholders: released behind its
-    window, or never held because a prefix-cache hit started past them. `cached` maps (group, chain hash) to
-    a block id; `seq.block_hashes` holds the chain hashes (the same for every group).
+    window, or never held because a prefix-cache hit started past them (the per-group form of the base
+    class's `WindowPolicy`). The prefix cache's keys are (group, chain hash); `seq.block_hashes` holds the
+    chain hashes (the same for every group). Swap space keeps one CPU table per group.
     """
 
     def __init__(self, num_blocks: int, block_size: int, layout: KVCacheLayout, num_cpu_blocks: int = 0,
@@ -67,7 +69,7 @@ class HybridBlockManager(BlockManager):
         super().__init__(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching)
         self.layout = layout
         self.group_freed: dict[int, list[int]] = {}
-        self.swapped_groups: dict[int, tuple[list[list[int]], list[int]]] = {}  # seq_id -> (CPU blocks, freed)
+        self.swapped_freed: dict[int, list[int]] = {}  # seq_id -> its group_freed while swapped out
 
     @property
     def num_block_tables(self) -> int:
@@ -83,8 +85,7 @@ class HybridBlockManager(BlockManager):
 
     def _first_visible(self, g: int, num_tokens: int) -> int:
         """Index of group g's first block a query at position `num_tokens` (or later) can read."""
-        window = self.layout.groups[g].window
-        return 0 if window is None else max(num_tokens - window + 1, 0) // self.block_size
+        return first_visible_block(num_tokens, self.layout.groups[g].window, self.block_size)
 
     # -- prefix cache -----------------------------------------------------------------------------------
     def cached_prefix(self, seq: Sequence) -> list[tuple[int, ...]]:
@@ -93,14 +94,10 @@ class HybridBlockManager(BlockManager):
         sequence: its last token must be computed for logits."""
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
-        chain = self._prompt_hashes(seq)[:(len(seq) - 1) // self.block_size]
-        ids: list[list[int | None]] = []  # ids[g][i]: group g's cached block for chain block i, or None
-        for g in range(self.layout.num_groups):
-            row = []
-            for h, toks in chain:
-                bid = self.cached.get((g, h))
-                row.append(bid if bid is not None and self.blocks[bid].token_ids == toks else None)
-            ids.append(row)
+        cache = self.prefix_cache
+        chain = cache.chain(seq.all_token_ids)[:(len(seq) - 1) // self.block_size]
+        # ids[g][i]: group g's cached block for chain block i, or None
+        ids = [[cache.lookup((g, h), toks) for h, toks in chain] for g in range(self.layout.num_groups)]
         full = [g for g, grp in enumerate(self.layout.groups) if grp.window is None]
         k = len(chain)
         for g in full:
@@ -134,10 +131,10 @@ class HybridBlockManager(BlockManager):
         if not self.enable_prefix_caching or len(seq.block_hashes) >= seq.num_computed_tokens // self.block_size:
             return
         freed, tables = self._freed(seq), self.tables(seq)
-        for i, parent, chunk in self._new_full_blocks(seq):
+        for i, parent, chunk in self.prefix_cache.new_full_blocks(seq):
             for g, table in enumerate(tables):
                 if i >= freed[g]:  # below freed[g]: a placeholder, not a block holding these tokens
-                    self._name_block(table[i], (g, parent), chunk)
+                    self.prefix_cache.name(table[i], (g, parent), chunk)
 
     # -- sequences --------------------------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, num_new_tokens: int, hits: list | None = None) -> bool:
@@ -150,13 +147,9 @@ class HybridBlockManager(BlockManager):
         """Attach a cached prefix (`cached_prefix`) to a waiting sequence; returns its cached tokens."""
         hits = self.cached_prefix(seq) if hits is None else hits
         if self.enable_prefix_caching:
-            self.prefix_queries += len(seq)
-            self.prefix_hits += len(hits) * self.block_size
+            self.prefix_cache.record_lookup(len(seq), len(hits) * self.block_size)
         for bid in self._hit_blocks(hits):
-            blk = self.blocks[bid]
-            if blk.ref_count == 0:
-                del self.free[bid]
-            blk.ref_count += 1
+            self._hold(bid)
         tables = [[row[g] for row in hits] for g in range(self.layout.num_groups)]
         seq.block_table, seq.group_block_tables = tables[0], tables[1:]
         seq.block_hashes = [self.blocks[b].hash[1] for b in tables[0]]
@@ -269,36 +262,31 @@ class HybridBlockManager(BlockManager):
     # Only live entries go out (and come back as fresh blocks); placeholders stay placeholders, so the prefix
     # cache never names a swapped-in block that holds no K/V.
     def can_swap_out(self, seq: Sequence) -> bool:
-        return self.num_live_blocks(seq) <= len(self.cpu_free)
+        return self.num_live_blocks(seq) <= self.swap.num_free
 
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
         freed = self.group_freed.pop(seq.seq_id, None) or [0] * self.layout.num_groups
-        mapping, cpu_tables = [], []
-        for table, dead in zip(self.tables(seq), freed):
-            cpu = [self.cpu_free.pop() for _ in table[dead:]]
-            mapping.extend(zip(table[dead:], cpu))
-            cpu_tables.append(cpu)
-            for bid in table[dead:]:
+        live = [table[dead:] for table, dead in zip(self.tables(seq), freed)]
+        mapping = self.swap.swap_out(seq.seq_id, live)
+        for table in live:
+            for bid in table:
                 self._release(bid)
-        self.swapped_groups[seq.seq_id] = (cpu_tables, freed)
-        self.swapped_tables[seq.seq_id] = cpu_tables[0]  # the base class's "is it swapped" bookkeeping
+        self.swapped_freed[seq.seq_id] = freed
         seq.block_table, seq.block_hashes, seq.group_block_tables = [], [], []
         return mapping
 
     def can_swap_in(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
-        cpu_tables, freed = self.swapped_groups[seq.seq_id]
+        cpu_tables, freed = self.swap.swapped[seq.seq_id], self.swapped_freed[seq.seq_id]
         n = len(cpu_tables[0]) + freed[0]  # table length
         extra = max(self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - n, 0)
         return sum(len(c) for c in cpu_tables) + self.layout.num_groups * extra <= self.num_free_blocks
 
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
-        cpu_tables, freed = self.swapped_groups.pop(seq.seq_id)
-        self.swapped_tables.pop(seq.seq_id, None)
+        cpu_tables, freed = self.swap.swap_in(seq.seq_id), self.swapped_freed.pop(seq.seq_id)
         mapping, tables = [], []
         for cpu, dead in zip(cpu_tables, freed):
             live = [self._take_free() for _ in cpu]
             tables.append([0] * dead + live)
-            self.cpu_free.extend(cpu)
             mapping.extend(zip(cpu, live))
         seq.block_table, seq.group_block_tables, seq.block_hashes = tables[0], tables[1:], []
         if any(freed):
@@ -306,7 +294,5 @@ class HybridBlockManager(BlockManager):
         return mapping
 
     def free_swapped(self, seq: Sequence) -> None:
-        self.swapped_tables.pop(seq.seq_id, None)
-        cpu_tables, _ = self.swapped_groups.pop(seq.seq_id, ([], []))
-        for cpu in cpu_tables:
-            self.cpu_free.extend(cpu)
+        self.swap.free(seq.seq_id)
+        self.swapped_freed.pop(seq.seq_id, None)

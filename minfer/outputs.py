@@ -1,8 +1,37 @@
-"""What a request returns, shaped like vLLM's `RequestOutput` / `CompletionOutput`."""
+"""What a step and a request return: the worker's `ModelRunnerOutput` (vLLM v1's), and vLLM's `RequestOutput` /
+`CompletionOutput` for callers."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What a worker returns for one step (vLLM v1's `ModelRunnerOutput`): the tokens of the rows that sampled.
+
+    Every per-row field is indexed like `sampled_rows` (k-th entry: batch row `sampled_rows[k]`) and holds a
+    list per row, one entry per emitted token: one token for an ordinary row, 1 to k + 1 for a row whose k
+    speculative drafts were verified (the accepted drafts plus one token, chapter 7b). It is plain data, so
+    the parallel executor pickles it from the output rank to the driver.
+
+    Attributes:
+        sampled_rows: indices into `ScheduledBatch.seqs` of the rows whose prompt is complete after this
+            step, ascending; a row still in its prompt (chunked prefill) samples nothing.
+        sampled_token_ids: per sampled row, its new token ids.
+        logprobs: per sampled row, each new token's logprob under the raw logits (natural log, float); None
+            when no row of the batch asked for logprobs.
+        top_logprobs: per sampled row, each new token's {token id: logprob} of the `logprobs` most likely
+            tokens plus the chosen one (None for a row that asked for none); None as `logprobs`.
+        prompt_logprobs: {seq_id: that sequence's prompt logprobs so far} for the rows that asked for
+            `prompt_logprobs` (the driver copies them onto its own `Sequence`s).
+    """
+
+    sampled_rows: list[int] = field(default_factory=list)
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] | None = None
+    top_logprobs: list[list[dict[int, float] | None]] | None = None
+    prompt_logprobs: dict[int, list] = field(default_factory=dict)
 
 
 @dataclass

@@ -4,7 +4,8 @@ sampler, and the forward of each scheduled step.
     Worker(args)                  pick the platform (`minfer.platform`), load the model with its layout and ops
     .profile_forward(n)           CUDA: measure the peak activation memory of an n-token forward
     .init_kv_cache(blocks, cpu)   allocate the paged pool and swap space; pick the attention backend
-    .execute_model(batch)         swap/copy blocks, build one ForwardContext, run the model, sample
+    .execute_model(batch)         swap/copy blocks, build one ForwardContext, run the model, sample:
+                                  a `ModelRunnerOutput` (minfer/outputs.py)
     .run_model(ids, ctx)          the step runner the platform chose (one-call CPU decode), else the model
     .compute_logits(batch)        the same without sampling: the logits (beam search scores them itself)
     .release(seq_ids)             forget per-sequence state (seeded random streams) of retired sequences
@@ -30,6 +31,7 @@ from minfer.config import EngineArgs
 from minfer.kv_cache import KVCachePool
 from minfer.attention.grouped import GroupedBackend, hybrid_layout, stacked_block_tables
 from minfer.model.loader import load_model
+from minfer.outputs import ModelRunnerOutput
 from minfer.parallel.parallel_state import get_parallel_state
 from minfer.parallel.pipeline import recv_from_prev_stage, send_to_next_stage, split_micro_batches, stage_layers
 from minfer.parallel.timeline import TimelineRecorder, device_clock
@@ -204,19 +206,30 @@ class Worker:
         return torch.tensor(ids, dtype=torch.long, device=dev), ctx, sample_rows
 
     @torch.inference_mode()
-    def execute_model(self, batch: "ScheduledBatch"):
-        """Swap and copy blocks, run the forward, sample. Returns (batch rows that sampled, tokens, chosen-token
-        logprobs or None, per-row top-logprob dicts or None)."""
+    def execute_model(self, batch: "ScheduledBatch") -> ModelRunnerOutput:
+        """Swap and copy blocks, run the forward, sample under the batch's grammar masks (`ModelRunnerOutput`)."""
         rows, logits = self.compute_logits(batch)
+        mask = None if batch.grammar_bitmask is None or not rows else batch.grammar_bitmask[rows]
+        return self._sample(batch, rows, logits, mask, batch.spec_grammar_bitmasks)
+
+    def _sample(self, batch: "ScheduledBatch", rows: list[int], logits: torch.Tensor | None,
+                mask: torch.Tensor | None = None, spec_masks: dict | None = None) -> ModelRunnerOutput:
+        """The tokens of a step's sampling `rows` from their logits float32 `[n, V]` (n = len(rows), plus k per
+        speculating row): the sampler, or `_verify` when a row carries drafts. `mask`: structured output's
+        int32 `[len(rows), ceil(V/32)]`; `spec_masks`: {batch row: its verification masks}."""
+        plp = {s.seq_id: s.prompt_logprobs for s in batch.seqs if s.prompt_logprobs is not None}
         if not rows:
-            return rows, None, None, None
-        mask = None if batch.grammar_bitmask is None else batch.grammar_bitmask[rows]
-        if any(batch.seqs[j].spec_token_ids for j in rows):
-            spec_masks = batch.spec_grammar_bitmasks or {}
-            return (rows, *self._verify(logits, [batch.seqs[j] for j in rows], mask,
-                                        [spec_masks.get(j) for j in rows]))
-        tokens, chosen, tops = self.sampler(logits, [batch.seqs[j] for j in rows], mask)
-        return rows, tokens.tolist(), (None if chosen is None else chosen.tolist()), tops
+            return ModelRunnerOutput(rows, [], prompt_logprobs=plp)
+        seqs = [batch.seqs[j] for j in rows]
+        if any(s.spec_token_ids for s in seqs):
+            spec_masks = spec_masks or {}
+            tokens, chosen, tops = self._verify(logits, seqs, mask, [spec_masks.get(j) for j in rows])
+        else:
+            t, c, tp = self.sampler(logits, seqs, mask)
+            tokens = [[x] for x in t.tolist()]
+            chosen = None if c is None else [[x] for x in c.tolist()]
+            tops = None if tp is None else [[x] for x in tp]
+        return ModelRunnerOutput(rows, tokens, chosen, tops, plp)
 
     @torch.inference_mode()
     def compute_logits(self, batch: "ScheduledBatch") -> tuple[list[int], torch.Tensor | None]:
@@ -266,10 +279,9 @@ class Worker:
         forward's start and end go to `timeline`. The last stage computes the logits of all micro-batches at
         once, in the batch's row order, so sampling sees exactly what one process would.
 
-        Returns, on the output rank (TP rank 0 of the last stage): with `sample`, `(rows, tokens, chosen,
-        tops, prompt_logprobs)` as `execute_model` plus `{seq_id: prompt_logprobs}` of the rows that want
-        them (the driver's sequences are other objects); without, `(rows, logits, prompt_logprobs)`. None on
-        every other rank.
+        Returns, on the output rank (TP rank 0 of the last stage): with `sample`, a `ModelRunnerOutput` as
+        `execute_model` (its `prompt_logprobs` matter here: the driver's sequences are other objects);
+        without, `(rows, logits, {seq_id: prompt_logprobs})`. None on every other rank.
         """
         st = self.parallel
         self.pool.swap_out(batch.swap_out)
@@ -302,15 +314,9 @@ class Worker:
         logits = self.model.compute_logits(torch.cat(hidden_parts)).float() if rows else None
         if st.tp_rank != 0:
             return None
-        plp = {s.seq_id: s.prompt_logprobs for s in batch.seqs if s.prompt_logprobs is not None}
         if not sample:
-            return rows, logits, plp
-        if not rows:
-            return rows, None, None, None, plp
-        if any(batch.seqs[j].spec_token_ids for j in rows):
-            return (rows, *self._verify(logits, [batch.seqs[j] for j in rows]), plp)
-        tokens, chosen, tops = self.sampler(logits, [batch.seqs[j] for j in rows])
-        return rows, tokens.tolist(), (None if chosen is None else chosen.tolist()), tops, plp
+            return rows, logits, {s.seq_id: s.prompt_logprobs for s in batch.seqs if s.prompt_logprobs is not None}
+        return self._sample(batch, rows, logits)
 
     def _prompt_logprobs(self, batch: "ScheduledBatch", hidden: torch.Tensor) -> None:
         """For each row that wants prompt logprobs, the logprob of prompt token p+1 given tokens 0..p, for the
@@ -334,12 +340,13 @@ class Worker:
             offset += n
 
     def _verify(self, logits: torch.Tensor, seqs: list, mask: torch.Tensor | None = None,
-                spec_masks: list | None = None) -> tuple[list, list | None, list | None]:
+                spec_masks: list | None = None) -> tuple[list[list[int]], list | None, list | None]:
         """A batch with speculating rows: ordinary rows go through the sampler (with their rows of the
-        structured-output `mask`), each speculating row through `rejection_sample` over its k + 1 logits and
-        yields a list of tokens (with lists of logprobs). A guided speculating row's logits are masked first,
+        structured-output `mask`) and yield one token, each speculating row goes through `rejection_sample`
+        over its k + 1 logits and yields 1 to k + 1. A guided speculating row's logits are masked first,
         position by position (`spec_masks[i]`, int32 `[k + 1, ceil(V/32)]`), so a draft the grammar refuses
-        has p = 0 and every emitted token is one the grammar allows there; logprobs stay the raw model's."""
+        has p = 0 and every emitted token is one the grammar allows there; logprobs stay the raw model's.
+        Returns `ModelRunnerOutput`'s (sampled_token_ids, logprobs, top_logprobs) for `seqs`."""
         from minfer.sampling import apply_token_bitmask
         from minfer.spec_decode.rejection import rejection_sample
 
@@ -356,10 +363,10 @@ class Worker:
             t, c, tp = self.sampler(logits[last[plain]], [seqs[i] for i in plain],
                                     None if mask is None else mask[plain])
             for r, i in enumerate(plain):
-                tokens[i] = int(t[r])
+                tokens[i] = [int(t[r])]
                 if want_lp:
-                    chosen[i] = float(c[r]) if c is not None else 0.0
-                    tops[i] = tp[r] if tp is not None else None
+                    chosen[i] = [float(c[r]) if c is not None else 0.0]
+                    tops[i] = [tp[r] if tp is not None else None]
         start = 0
         for i, (s, n) in enumerate(zip(seqs, sizes)):
             if s.spec_token_ids:

@@ -80,12 +80,12 @@ def test_equal_prefixes_give_equal_chains():
     bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
     x = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13])
     y = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 99, 10, 11, 12])
-    hx, hy = [h for h, _ in bm._prompt_hashes(x)], [h for h, _ in bm._prompt_hashes(y)]
+    hx, hy = ([h for h, _ in bm.prefix_cache.chain(t.all_token_ids)] for t in (x, y))
     assert len(hx) == 3 and len(hy) == 3  # full blocks only: the 13th token is not named
     assert hx[:2] == hy[:2] and hx[2] != hy[2]
     # a block equal to x's first block but at position 1 gets a different name
     z = make_seq([5, 5, 5, 5, 1, 2, 3, 4])
-    assert bm._prompt_hashes(z)[1][0] != hx[0]
+    assert bm.prefix_cache.chain(z.all_token_ids)[1][0] != hx[0]
 
 
 def test_same_block_at_other_position_is_not_hit():
@@ -132,11 +132,11 @@ def test_only_computed_full_blocks_are_registered():
     s.num_computed_tokens = 6  # a first chunk of 6 tokens ran: one block is full
     bm.register_computed_blocks(s)
     assert [bm.blocks[i].hash is not None for i in s.block_table] == [True, False, False]
-    assert len(bm.cached) == 1
+    assert len(bm.prefix_cache.cached) == 1
     s.num_computed_tokens = 10  # the rest ran: block 1 is full now, block 2 holds 2 of 4 tokens
     bm.register_computed_blocks(s)
     assert [bm.blocks[i].hash is not None for i in s.block_table] == [True, True, False]
-    assert s.block_hashes == [h for h, _ in bm._prompt_hashes(s)]
+    assert s.block_hashes == [h for h, _ in bm.prefix_cache.chain(s.all_token_ids)]
 
 
 # -- LRU eviction -------------------------------------------------------------------------------------
@@ -147,7 +147,7 @@ def test_lru_evicts_least_recently_freed_first():
     b = run_prefill(bm, make_seq([2, 2, 2, 2]))
     bm.free_seq(a)  # freed first: least recently used
     bm.free_seq(b)
-    assert bm.num_evicted_blocks == 0 and len(bm.cached) == 2
+    assert bm.num_evicted_blocks == 0 and len(bm.prefix_cache.cached) == 2
     c = make_seq(range(20, 32))  # needs 3 blocks: two never-named ones, then one cached block
     bm.allocate_prefix(c)
     bm.append_slots(c, 12)
@@ -166,8 +166,8 @@ def test_unnamed_blocks_are_reused_before_named_ones():
     a = run_prefill(bm, make_seq([1, 2, 3, 4, 5, 6]))  # block 0 named, block 1 half full
     named, partial = a.block_table
     bm.free_seq(a)
-    assert next(iter(bm.free)) == partial  # the unnamed block goes to the front of the free list
-    assert list(bm.free)[-1] == named  # the named one waits at the end
+    assert bm.free[0] == partial  # the unnamed block goes to the front of the free list
+    assert bm.free[-1] == named  # the named one waits at the end
     c = make_seq(range(40, 52))
     bm.append_slots(c, 12)  # 3 blocks: all but the named one
     assert named not in c.block_table and bm.num_evicted_blocks == 0
@@ -188,10 +188,10 @@ def test_eviction_count_grows_with_each_evicted_block():
     bm = BlockManager(num_blocks=4, block_size=BS, enable_prefix_caching=True)
     for k in range(4):  # four single-block prompts fill the cache
         bm.free_seq(run_prefill(bm, make_seq([k] * 4)))
-    assert len(bm.cached) == 4 and bm.num_free_blocks == 4
+    assert len(bm.prefix_cache.cached) == 4 and bm.num_free_blocks == 4
     s = make_seq(range(100, 112))
     bm.append_slots(s, 12)
-    assert bm.num_evicted_blocks == 3 and len(bm.cached) == 1
+    assert bm.num_evicted_blocks == 3 and len(bm.prefix_cache.cached) == 1
     assert bm.allocate_prefix(make_seq([3, 3, 3, 3, 0])) == 4  # the most recently freed one is left
 
 
@@ -205,13 +205,13 @@ def test_swap_out_and_in_bookkeeping():
     out = bm.swap_out(s)
     assert [d for d, _ in out] == dev
     cpu = [c for _, c in out]
-    assert len(set(cpu)) == 3 and bm.cpu_free == [] and bm.swapped_tables[s.seq_id] == cpu
+    assert len(set(cpu)) == 3 and bm.swap.cpu_free == [] and bm.swap.swapped[s.seq_id] == [cpu]
     assert s.block_table == [] and bm.num_free_blocks == 6
     assert bm.can_swap_in(s, 1)
     back = bm.swap_in(s)
     assert [c for c, _ in back] == cpu and [d for _, d in back] == s.block_table
     assert len(s.block_table) == 3 and bm.num_free_blocks == 3
-    assert sorted(bm.cpu_free) == sorted(cpu) and s.seq_id not in bm.swapped_tables
+    assert sorted(bm.swap.cpu_free) == sorted(cpu) and s.seq_id not in bm.swap.swapped
 
 
 def test_swap_space_limits_and_free_returns_cpu_blocks():
@@ -220,9 +220,9 @@ def test_swap_space_limits_and_free_returns_cpu_blocks():
     assert not bm.can_swap_out(big)
     small = run_prefill(bm, make_seq(range(6)))  # 2 blocks
     bm.swap_out(small)
-    assert bm.cpu_free == []
+    assert bm.swap.cpu_free == []
     bm.free_seq(small)  # finished or aborted while swapped: its CPU blocks come back
-    assert len(bm.cpu_free) == 2 and small.seq_id not in bm.swapped_tables
+    assert len(bm.swap.cpu_free) == 2 and small.seq_id not in bm.swap.swapped
 
 
 def test_swap_in_needs_room_for_next_token():
@@ -243,7 +243,7 @@ def test_usage():
     assert bm.usage() == pytest.approx(0.3)
     bm.free_seq(s)
     assert bm.usage() == 0.0  # cached but unreferenced blocks count as free
-    assert len(bm.cached) == 3
+    assert len(bm.prefix_cache.cached) == 3
 
 
 # -- the scheduler ------------------------------------------------------------------------------------
@@ -385,7 +385,7 @@ def test_preemption_by_swap_keeps_computed_tokens():
     batch = s.schedule()
     assert batch.num_preempted == 1
     assert b.status is SequenceStatus.SWAPPED and list(s.swapped) == [b]
-    assert len(batch.swap_out) == 2 and len(bm.cpu_free) == 2
+    assert len(batch.swap_out) == 2 and len(bm.swap.cpu_free) == 2
     assert b.num_computed_tokens == computed  # nothing to recompute
     complete(s, batch)
     for _ in range(20):  # a grows to 16 tokens = the whole pool, then finishes
@@ -395,7 +395,7 @@ def test_preemption_by_swap_keeps_computed_tokens():
     assert a.is_finished and bm.num_free_blocks == 4
     batch = s.schedule()
     assert batch.seqs == [b] and batch.num_new_tokens == [1]  # straight back to decoding
-    assert len(batch.swap_in) == 2 and len(bm.cpu_free) == 4
+    assert len(batch.swap_in) == 2 and len(bm.swap.cpu_free) == 4
 
 
 def test_all_blocks_free_after_a_workload():

@@ -108,7 +108,7 @@ def test_swap_out_and_in_keeps_every_group():
     assert seq.group_block_tables[0][:8] == [0] * 8 and bm.num_live_blocks(seq) == 12
     assert bm.free_out_of_window(seq) == 0  # nothing came back that the window had released
     bm.free_seq(seq)
-    assert bm.num_free_blocks == 40 and len(bm.cpu_free) == 40
+    assert bm.num_free_blocks == 40 and len(bm.swap.cpu_free) == 40
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +191,7 @@ def test_a_prefix_hit_holds_exactly_the_blocks_its_window_reads(bs, window):
     assert k == 48 // bs  # the whole shared prefix, in full blocks (b's 49th token differs from a's)
     want = needed_blocks(k * bs, window, k, bs) & set(range(k))
     assert {i for i, row in enumerate(hits) if row[1] != 0} == want  # local group: the window's blocks only
-    chain = [h for h, _ in bm._prompt_hashes(b)[:k]]
+    chain = [h for h, _ in bm.prefix_cache.chain(b.all_token_ids)[:k]]
     assert [bm.blocks[row[0]].hash for row in hits] == [(0, h) for h in chain]  # full group: every block
     assert all(bm.blocks[hits[i][1]].hash == (1, chain[i]) for i in want)
     assert bm.can_allocate(b, len(b) - k * bs, hits)
@@ -206,7 +206,7 @@ def test_a_prefix_hit_holds_exactly_the_blocks_its_window_reads(bs, window):
         return  # window 1: a query sees only itself, the local group needs no cached block at all
     first = min(want)
     victim = hits[first][1]
-    del bm.cached[bm.blocks[victim].hash]
+    del bm.prefix_cache.cached[bm.blocks[victim].hash]
     bm.blocks[victim].hash, bm.blocks[victim].token_ids = None, ()
     c = Sequence("c", 2, shared + [80], SP(max_tokens=1), 4096)
     short = bm.cached_prefix(c)

@@ -1,7 +1,7 @@
 """Guided decoding inside speculative decoding (`StructuredOutputManager.truncate_drafts` / `spec_bitmasks`,
-the worker's `_verify`, the engine's `_append_verified`; chapter 7 §7.5 and chapter 7b): a guided request
-speculates, its drafts are verified under the grammar's mask at each draft position (llguidance's rollback
-brings the matcher back), and
+the worker's `_verify`, `minfer.step_hooks`, the engine's `_append_tokens`; chapter 7 §7.5 and chapter 7b): a
+guided request speculates, its drafts are verified under the grammar's mask at each draft position
+(llguidance's rollback brings the matcher back), and
 
 - greedy guided output is token-for-token the output without speculation, for `ngram` and `draft_model`,
   and drafts were proposed and accepted (so the requests did speculate);
@@ -85,7 +85,7 @@ def test_sampled_guided_output_with_speculation_is_valid(models):
 
 def test_spec_masks_are_the_matchers_masks_along_the_drafts(plain):
     engine = plain.llm_engine
-    so = engine._structured()
+    so = engine.structured_hook.get_manager()
     tok = engine.tokenizer.hf
     seq = Sequence("r", 0, [0], greedy_json(), 256)
     so.add([seq.seq_id], seq.params.guided_decoding)
