@@ -316,7 +316,9 @@ class Worker:
             return None
         if not sample:
             return rows, logits, {s.seq_id: s.prompt_logprobs for s in batch.seqs if s.prompt_logprobs is not None}
-        return self._sample(batch, rows, logits)
+        # The same grammar masks as one process (structured output under TP/PP is constrained too).
+        mask = None if batch.grammar_bitmask is None or not rows else batch.grammar_bitmask[rows]
+        return self._sample(batch, rows, logits, mask, batch.spec_grammar_bitmasks)
 
     def _prompt_logprobs(self, batch: "ScheduledBatch", hidden: torch.Tensor) -> None:
         """For each row that wants prompt logprobs, the logprob of prompt token p+1 given tokens 0..p, for the
