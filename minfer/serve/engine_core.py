@@ -27,9 +27,12 @@ A message from the core is a msgpack list whose first item says what it is:
                                     status 503 when the engine cannot go on (a dead worker), else 500
     ["job", job_id, "done", pickled result] / ["job", job_id, "error", [type, message]]
                                     a job (`("job", job_id, fn)`: beam search) ran on the idle engine
+    ["heartbeat"]                   every `HEARTBEAT_INTERVAL` s, from a thread of its own (`Heartbeat`)
 
-The process exits when its parent does (checked whenever it waits for work), so a killed server leaves
-no engine behind.
+The heartbeat is vLLM v1's engine-core liveness signal in small: the API process marks the engine unhealthy
+and fails its requests with a 503 when no message came for `--engine-heartbeat-timeout` seconds (a stopped
+or wedged process). The same thread ends this process when its parent dies (checked every beat, busy or
+idle), so a killed server leaves no engine behind, not even one in the middle of a long step.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import threading
 import time
 import traceback
 
@@ -112,6 +116,45 @@ def stats_dict(stats) -> dict:
     if dataclasses.is_dataclass(stats):
         return dataclasses.asdict(stats)
     return {k: v for k, v in vars(stats).items() if not k.startswith("_")}
+
+
+HEARTBEAT_INTERVAL = 0.5  # seconds between two heartbeats (and two checks that the parent is alive)
+
+
+class Heartbeat(threading.Thread):
+    """Send ["heartbeat"] every `interval` s on a PUSH socket of its own, and end the process (exit status 0)
+    when its parent has exited.
+
+    It runs beside the engine step: torch releases the GIL in its kernels and Python switches threads every
+    5 ms otherwise, so beats keep coming during a long step; they stop when the whole process is stopped
+    (SIGSTOP) or dead. A ZMQ socket belongs to one thread, hence the second socket on the same address.
+    """
+
+    def __init__(self, ctx, output_addr: str, parent: int, interval: float = HEARTBEAT_INTERVAL):
+        super().__init__(name="minfer-engine-heartbeat", daemon=True)
+        self.ctx, self.addr, self.parent, self.interval = ctx, output_addr, parent, interval
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        import msgpack
+        import zmq
+
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 4)  # beats that cannot be delivered are dropped, never queued up
+        sock.connect(self.addr)
+        beat = msgpack.packb(["heartbeat"])
+        try:
+            while not self.stopped.wait(self.interval):
+                if os.getppid() != self.parent:  # the API process is gone: nobody reads our outputs
+                    logger.info("parent process %d exited; engine core stops", self.parent)
+                    os._exit(0)  # the main thread may be inside a step: end the process from here
+                try:
+                    sock.send(beat, zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass  # the API process is not reading (or gone): the parent check above ends us
+        finally:
+            sock.close(linger=0)
 
 
 class EngineCore:
@@ -295,6 +338,10 @@ def core_main(engine_args, input_addr: str, output_addr: str) -> None:
     out.setsockopt(zmq.LINGER, 2000)
     out.connect(output_addr)
     pack = msgpack.Packer(use_bin_type=True).pack
+    # From the start: a parent that dies while the model loads ends this process too (beats before "ready"
+    # are ignored by the client's start-up wait).
+    heartbeat = Heartbeat(ctx, output_addr, os.getppid())
+    heartbeat.start()
     try:
         from minfer.engine import LLMEngine
 
@@ -302,6 +349,8 @@ def core_main(engine_args, input_addr: str, output_addr: str) -> None:
     except Exception as exc:  # noqa: BLE001 - reported to the API process, which exits with it
         out.send(pack(["ready", pickle.dumps({"error": f"{type(exc).__name__}: {exc}",
                                               "value_error": isinstance(exc, ValueError)})]))
+        heartbeat.stopped.set()
+        heartbeat.join(2)
         out.close()
         ctx.term()
         return
