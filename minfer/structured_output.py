@@ -73,6 +73,26 @@ def grammar_text(guided: GuidedDecodingParams) -> str:
     return ll.grammar_from("grammar", guided.grammar)
 
 
+def one_line(message: str, limit: int = 300) -> str:
+    """The grammar library's message as one line for a client: its first line, without a Rust panic's
+    backtrace ("assertion failed: grammar.symbols.len() < u16::MAX ... stack backtrace: ..."), at most
+    `limit` characters."""
+    text = str(message).split("stack backtrace:")[0].split("note: run with `RUST_BACKTRACE")[0]
+    line = next((x.strip() for x in text.splitlines() if x.strip()), "") or "the grammar library failed"
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+def _guarded(kind: str, fn, *args, **kwargs):
+    """`fn(*args)` with a panic inside the grammar library (pyo3's PanicException, a BaseException) turned
+    into the ValueError a bad grammar gets: a request must not take the process down or echo a backtrace."""
+    try:
+        return fn(*args, **kwargs)
+    except BaseException as exc:  # noqa: BLE001 - only the library's panic is caught, everything else re-raised
+        if type(exc).__name__ != "PanicException":
+            raise
+        raise ValueError(f"invalid guided_decoding {kind}: the grammar library refused it: {one_line(exc)}") from None
+
+
 def validate_grammar(guided: GuidedDecodingParams) -> str:
     """Compile `guided` without a tokenizer (what the server checks before admission); returns the grammar.
 
@@ -84,9 +104,9 @@ def validate_grammar(guided: GuidedDecodingParams) -> str:
         text = grammar_text(guided)
     except ValueError as exc:
         raise ValueError(f"invalid guided_decoding {guided.kind}: {exc}") from None
-    error = ll.LLMatcher.validate_grammar(text)
+    error = _guarded(guided.kind, ll.LLMatcher.validate_grammar, text)
     if error:
-        raise ValueError(f"invalid guided_decoding {guided.kind}: {error[:500]}")
+        raise ValueError(f"invalid guided_decoding {guided.kind}: {one_line(error)}")
     return text
 
 
@@ -136,9 +156,9 @@ class StructuredOutputManager:
         """
         ll = _llguidance()
         text = validate_grammar(guided)
-        m = ll.LLMatcher(llg_tokenizer(self.hf, self.vocab_size, self.eos), text, log_level=0)
+        m = _guarded(guided.kind, ll.LLMatcher, llg_tokenizer(self.hf, self.vocab_size, self.eos), text, log_level=0)
         if m.is_error():
-            raise ValueError(f"invalid guided_decoding {guided.kind}: {m.get_error()[:500]}")
+            raise ValueError(f"invalid guided_decoding {guided.kind}: {one_line(m.get_error())}")
         # A grammar whose language is empty ("start: start", {"$ref": "#"}, a regex of an empty class) compiles,
         # and the matcher only goes into error on the first mask: compute that mask now (scratch memory; it does
         # not advance the matcher) so the request is refused before admission instead of ending "" with "stop".
