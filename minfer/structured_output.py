@@ -147,13 +147,41 @@ class StructuredOutputManager:
         self.hf, self.vocab_size, self.eos = hf_tokenizer, vocab_size, tuple(eos_token_ids)
         self.matchers: dict[int, object] = {}
         self.mask_time_s = 0.0  # seconds spent computing masks (the cost a guided step adds)
+        self._ready: dict[int, tuple] = {}  # id(guided) -> (guided, matcher or ValueError): `precompile`'s
+        self._ready_lock = threading.Lock()
+
+    def precompile(self, guided: GuidedDecodingParams) -> None:
+        """Compile `guided` now and keep the matcher (or the ValueError) for the `compile(guided)` that follows,
+        for the same object. Safe to call from another thread: the engine process compiles a request's grammar
+        in a worker thread (llguidance releases the GIL while it compiles), off the engine step, and adds the
+        request once it is ready (`serve.engine_core.EngineCore`)."""
+        try:
+            result = self._compile(guided)
+        except ValueError as exc:
+            result = exc
+        with self._ready_lock:
+            self._ready[id(guided)] = (guided, result)
+
+    def discard(self, guided: GuidedDecodingParams) -> None:
+        """Forget what `precompile(guided)` made (its request was aborted before it was added)."""
+        with self._ready_lock:
+            self._ready.pop(id(guided), None)
 
     def compile(self, guided: GuidedDecodingParams):
-        """A fresh matcher for `guided`.
+        """A fresh matcher for `guided` (the one `precompile(guided)` made, if it did).
 
         Raises:
             ValueError: the grammar is invalid (with the library's message).
         """
+        with self._ready_lock:
+            entry = self._ready.pop(id(guided), None)
+        if entry is not None and entry[0] is guided:
+            if isinstance(entry[1], ValueError):
+                raise entry[1]
+            return entry[1]
+        return self._compile(guided)
+
+    def _compile(self, guided: GuidedDecodingParams):
         ll = _llguidance()
         text = validate_grammar(guided)
         m = _guarded(guided.kind, ll.LLMatcher, llg_tokenizer(self.hf, self.vocab_size, self.eos), text, log_level=0)

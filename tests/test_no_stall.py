@@ -34,7 +34,9 @@ MODEL = "smollm2-135m-instruct"
 BOUND_S = 2.0  # on an idle 2-core machine
 STEP_MULTIPLE = 4  # the bound on a loaded one: this many chunk steps
 HEALTH_S = 1.0
-ARGS = ["--max-model-len", "2048", "--disable-log-requests", "--uvicorn-log-level", "warning"]
+# Default scheduling flags; a small KV pool (256 MiB) keeps the server light on a shared machine.
+ARGS = ["--max-model-len", "2048", "--kv-cache-memory-bytes", "256M", "--disable-log-requests",
+        "--uvicorn-log-level", "warning"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -226,3 +228,68 @@ def test_guided_choice_with_many_entries(server):
     """Row "guided_choice with 10^5 entries" (here 10^4)."""
     _holds(server, "/v1/completions", {"prompt": "Pick:", "max_tokens": 8,
                                        "guided_choice": [f"choice number {i}" for i in range(10_000)]})
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Grammars compile off the engine step (engine process), no model
+# ----------------------------------------------------------------------------------------------------------
+class _SlowGrammarEngine:
+    """What EngineCore reads of an engine, with a structured-output manager whose compile takes 0.3 s."""
+
+    def __init__(self):
+        import threading
+
+        self.requests, self.added, self.discarded = {}, [], []
+        self.structured_output = self
+        self.compiled = threading.Event()
+
+    def _structured(self):
+        return self
+
+    def precompile(self, guided):
+        time.sleep(0.3)
+        self.compiled.set()
+
+    def discard(self, guided):
+        self.discarded.append(guided)
+
+    def add_request(self, rid, prompt, params, arrival_time=None):
+        self.added.append(rid)
+        self.requests[rid] = params
+
+    def has_unfinished_requests(self):
+        return False
+
+
+def test_a_grammar_compiles_in_a_worker_thread_and_the_request_is_added_after():
+    import zmq
+
+    from minfer.sampling_params import GuidedDecodingParams
+    from minfer.serve.engine_core import EngineCore
+
+    ctx = zmq.Context()
+    inp, out, sink = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    inp.bind("inproc://cmds")
+    sink.bind("inproc://outs")
+    out.connect("inproc://outs")
+    try:
+        engine = _SlowGrammarEngine()
+        core = EngineCore(engine, inp, out)
+        guided = SamplingParams(max_tokens=4, guided_decoding=GuidedDecodingParams(choice=["a", "b"]))
+        t = time.perf_counter()
+        core._run_command(("add", "g1", [1, 2], guided, 0.0))
+        core._run_command(("add", "plain", [1, 2], SamplingParams(max_tokens=4), 0.0))
+        core._run_command(("add", "g2", [1, 2], guided.clone(), 0.0))
+        core._run_command(("abort", ["g2"]))
+        assert time.perf_counter() - t < 0.25, "the command loop waited for a compile"
+        assert engine.added == ["plain"]  # the guided requests wait for their grammar; others do not
+        deadline = time.time() + 30
+        while core._compiling and time.time() < deadline:
+            core._finish_compiles()
+            time.sleep(0.01)
+        assert engine.added == ["plain", "g1"]  # g2 was aborted while compiling: dropped, its matcher discarded
+        assert len(engine.discarded) == 1
+    finally:
+        for sock in (inp, out, sink):
+            sock.close(linger=0)
+        ctx.term()

@@ -119,6 +119,8 @@ def stats_dict(stats) -> dict:
 
 
 HEARTBEAT_INTERVAL = 0.5  # seconds between two heartbeats (and two checks that the parent is alive)
+# Longest a request's grammar may take to compile (in the worker thread) before the request is refused (s).
+GRAMMAR_COMPILE_TIMEOUT = 30.0
 
 
 class Heartbeat(threading.Thread):
@@ -184,6 +186,10 @@ class EngineCore:
         self._added: list[str] = []
         self._jobs: list = []  # (job_id, fn) waiting for an idle engine
         self._deferred: list = []  # "add" commands that arrived while a job waited
+        # Guided "add" commands whose grammar compiles in a worker thread, off the engine step:
+        # [future, cmd, started (perf_counter), aborted]; added in order once compiled (`_finish_compiles`).
+        self._compiling: list = []
+        self._compiler = None  # a one-thread ThreadPoolExecutor, made for the first guided request
 
     def _send(self, msg) -> None:
         self.out.send(self.pack(msg), copy=False)
@@ -204,7 +210,9 @@ class EngineCore:
             self._jobs = [j for j in self._jobs if j[0] != cmd[1]]
             if not self._jobs:
                 self._release_deferred()
-        elif cmd[0] == "add":
+        elif cmd[0] == "add" and getattr(cmd[3], "guided_decoding", None) is not None and self._can_precompile():
+            self._start_compile(cmd)
+        elif cmd[0] in ("add", "add_compiled"):
             _, rid, prompt, params, arrival = cmd
             try:
                 self.engine.add_request(rid, prompt, params, arrival_time=arrival)
@@ -213,11 +221,56 @@ class EngineCore:
             else:
                 self._added.append(rid)
         elif cmd[0] == "abort":
+            gone = set(cmd[1])
+            for entry in self._compiling:
+                if entry[1][1] in gone:
+                    entry[3] = True  # aborted while compiling: dropped when its compile ends
             rids = [r for r in cmd[1] if r in self.engine.requests]
             for r in cmd[1]:
                 self.sent.pop(r, None)
             if rids:
                 self.engine.abort_request(rids)
+
+    def _can_precompile(self) -> bool:
+        return callable(getattr(self.engine, "_structured", None))
+
+    def _start_compile(self, cmd) -> None:
+        """Compile the request's grammar in the worker thread; the request is added when it is ready."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self._compiler is None:
+            self._compiler = ThreadPoolExecutor(1, thread_name_prefix="minfer-grammar")
+        guided, engine = cmd[3].guided_decoding, self.engine
+        future = self._compiler.submit(lambda: engine._structured().precompile(guided))
+        self._compiling.append([future, cmd, time.perf_counter(), False])
+
+    def _finish_compiles(self) -> None:
+        """Add, in arrival order, the guided requests whose grammar is compiled (the first still compiling
+        holds those behind it); one past `GRAMMAR_COMPILE_TIMEOUT` is refused (the library's own limits bound
+        a grammar's size; this bounds its time)."""
+        while self._compiling:
+            future, cmd, started, aborted = self._compiling[0]
+            if not future.done():
+                if aborted or time.perf_counter() - started <= GRAMMAR_COMPILE_TIMEOUT:
+                    break
+                self._compiling.pop(0)  # its thread runs on; what it makes is discarded below
+                future.add_done_callback(lambda _f, g=cmd[3].guided_decoding: self._discard(g))
+                self._send(["error", cmd[1], "ValueError", "invalid SamplingParams.guided_decoding: the grammar "
+                            f"did not compile within {GRAMMAR_COMPILE_TIMEOUT:g} s"])
+                continue
+            self._compiling.pop(0)
+            if aborted:
+                self._discard(cmd[3].guided_decoding)
+            else:
+                self._run_command(("add_compiled", *cmd[1:]))
+        if self._added:
+            self._send(["added", self._added])
+            self._added = []
+
+    def _discard(self, guided) -> None:
+        so = getattr(self.engine, "structured_output", None)
+        if so is not None:
+            so.discard(guided)
 
     def _release_deferred(self) -> None:
         deferred, self._deferred = self._deferred, []
@@ -281,8 +334,9 @@ class EngineCore:
     def run(self) -> None:
         engine = self.engine
         while True:
+            self._finish_compiles()
             busy = engine.has_unfinished_requests()
-            ran = self._drain(0 if busy else 200)
+            ran = self._drain(0 if busy else (5 if self._compiling else 200))
             if not busy and not ran and not self._jobs:
                 if os.getppid() != self.parent:  # the API process is gone: nobody will read our outputs
                     logger.info("parent process exited; engine core stops")
