@@ -53,6 +53,24 @@ def torch_dtype(name: str):
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
+# The per-step token budget with chunked prefill (vLLM's `max_num_batched_tokens`), by device. The budget is what
+# bounds a running stream's gap between tokens: a step computes at most this many prompt tokens beside the
+# decodes. On a 2-core CPU a SmolLM2-135M float32 step of 256 prompt tokens took 1.4 s and one of 512, 3.0 s,
+# with the machine loaded 4x (nice 19, load 7.9; 1,024 tokens 8.6 s, 2,048 tokens 42 s); an idle machine is
+# several times faster. 256 keeps a step, and so a victim's gap, near 1 s under that load, well under the 2 s
+# bound tests/test_no_stall.py holds streams to, and a prefill of 256 tokens still keeps both cores busy. On a
+# GPU a 2,048-token chunk is milliseconds (vLLM's default for the LLM class).
+DEFAULT_CHUNK_BUDGET = {"cpu": 256, "cuda": 2048}
+
+
+def default_max_num_batched_tokens(device_type: str, chunked: bool, max_model_len: int) -> int:
+    """The step token budget when `max_num_batched_tokens` is None (tokens): the device's chunk budget with
+    chunked prefill; without it, room for a whole `max_model_len` prompt in one step (at least 2048)."""
+    if chunked:
+        return DEFAULT_CHUNK_BUDGET.get(device_type, DEFAULT_CHUNK_BUDGET["cuda"])
+    return max(max_model_len, 2048)
+
+
 MAX_SPECULATIVE_TOKENS = 64  # upper bound on num_speculative_tokens (k)
 
 
@@ -233,8 +251,10 @@ class EngineArgs:
         kv_cache_memory_bytes: explicit KV pool size in bytes (any device); overrides the fraction.
         swap_space: CPU swap space for preempted sequences, GiB (0 = preempt by recompute only).
         max_num_seqs: most sequences in one step.
-        max_num_batched_tokens: most tokens (prefill + decode) in one step; None = chosen from the others.
-        enable_chunked_prefill: split long prompts into chunks that share steps with decodes.
+        max_num_batched_tokens: most tokens (prefill + decode) in one step; None = `default_max_num_batched_tokens`
+            (with chunked prefill: 256 on a CPU, 2048 on a GPU).
+        enable_chunked_prefill: split long prompts into chunks that share steps with decodes (default True, as
+            vLLM v1): a long prompt then delays running streams by one chunk's step, not by its whole prefill.
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes across requests.
         preemption_mode: "recompute" or "swap" (swap needs swap_space > 0).
         attention_backend: "auto" (default: "triton" on CUDA; "cpu" for a float32 or bfloat16 model on the CPU
@@ -284,7 +304,7 @@ class EngineArgs:
     swap_space: float = 0.0
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
-    enable_chunked_prefill: bool = False
+    enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = False
     preemption_mode: str | None = None
     attention_backend: str = "auto"

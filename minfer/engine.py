@@ -23,7 +23,7 @@ import torch
 
 from minfer.attention.grouped import hybrid_layout
 from minfer.block_manager import BlockManager
-from minfer.config import EngineArgs, ModelConfig
+from minfer.config import EngineArgs, ModelConfig, default_max_num_batched_tokens
 from minfer.detokenizer import OutputProcessor
 from minfer.executor import make_executor
 from minfer.kv_cache import bytes_per_block, determine_num_blocks
@@ -133,7 +133,8 @@ class LLMEngine:
         max_len = args.max_model_len or cfg.max_position_embeddings
         self.model_config = ModelConfigView(max_model_len=max_len, dtype=worker.dtype, config=cfg)
         self.max_model_len = max_len
-        mnbt = args.max_num_batched_tokens or (2048 if args.enable_chunked_prefill else max(max_len, 2048))
+        mnbt = args.max_num_batched_tokens or default_max_num_batched_tokens(self.device.type,
+                                                                             args.enable_chunked_prefill, max_len)
         if not args.enable_chunked_prefill and mnbt < max_len:
             raise ValueError(
                 f"max_num_batched_tokens ({mnbt}) is smaller than max_model_len ({max_len}): without chunked "

@@ -8,11 +8,17 @@
 `generate` queues every prompt in the engine and steps it until all finish (continuous batching over the
 paged KV pool). `generate_simple` runs chapter 1's one-sequence prefill/decode path: the oracle that the
 engine is tested against.
+
+One `LLM` may be shared by several threads: its calls are serialised by a lock (one engine steps one batch at a
+time; a second thread's `generate` waits for the first to return, then runs). For calls that overlap in the
+engine (continuous batching across callers), serve the model (`python -m minfer.serve`) instead.
 """
 
 from __future__ import annotations
 
+import functools
 import numbers
+import threading
 from dataclasses import fields
 
 from tqdm.auto import tqdm
@@ -28,8 +34,21 @@ from minfer.sampling_params import BeamSearchParams, SamplingParams
 from minfer.sequence import Sequence, validate_prompt
 
 
+def _serialised(method):
+    """Run `method` holding the LLM's lock: the engine is driven by one caller at a time (reentrant, so `chat`
+    may call `generate`)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class LLM:
-    """Load a model once; generate for batches of prompts.
+    """Load a model once; generate for batches of prompts. Thread-safe: calls from several threads run one at
+    a time (a lock; see the module docstring).
 
     Args:
         model: alias, local directory, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct).
@@ -57,6 +76,7 @@ class LLM:
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
         self.tokenizer = self.llm_engine.tokenizer
         self._simple = None
+        self._lock = threading.RLock()
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -66,6 +86,7 @@ class LLM:
         return self.llm_engine.stats()
 
     # -- the engine path ------------------------------------------------------------------------------
+    @_serialised
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate for one prompt or a list (strings or token-id lists). Returns outputs in prompt order.
@@ -101,6 +122,7 @@ class LLM:
             bar.close()
         return [results[i] for i in ids]
 
+    @_serialised
     def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """Beam search (vLLM's `LLM.beam_search`, scores as transformers' `generate(num_beams=...)`): for each
         prompt (the forms `generate` takes) its `beam_width` best beams, best score first.
@@ -125,6 +147,7 @@ class LLM:
             validate_prompt(ids[-1], check, engine.max_model_len, engine.model_config.vocab_size)
         return run_beam_search(engine, ids, params, self.tokenizer.decode, use_tqdm=use_tqdm)
 
+    @_serialised
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (list of {"role", "content"}) or a list of them.
 
@@ -142,6 +165,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     # -- the simple path (chapter 1) --------------------------------------------------------------------
+    @_serialised
     def generate_simple(self, prompt: str | list[int] | dict, sampling_params: SamplingParams | None = None,
                         on_token=None) -> tuple[RequestOutput, GenerationTimings]:
         """One request through the simple prefill/decode path with a contiguous KV cache.

@@ -84,28 +84,67 @@ def apply_penalties(logits: torch.Tensor, prompt_ids: list[list[int]], output_id
     return logits - frequency.unsqueeze(1) * out_counts - presence.unsqueeze(1) * (out_counts > 0)
 
 
+def _cached(params: SamplingParams, key: str, make):
+    """`make()` once per SamplingParams object (all `n` sequences of a request share theirs), kept on the
+    object: per-request tensors are built when the request first samples, not again every step."""
+    cache = vars(params).setdefault("_sampler_cache", {})
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
+
+
+def _by_params(seqs: list[Sequence], want) -> list[tuple[SamplingParams, list[int]]]:
+    """(params, the batch rows that share it) for the rows where `want(seq)` holds, in first-row order."""
+    groups: dict[int, tuple[SamplingParams, list[int]]] = {}
+    for i, s in enumerate(seqs):
+        if want(s):
+            groups.setdefault(id(s.params), (s.params, []))[1].append(i)
+    return list(groups.values())
+
+
+def logit_bias_vector(params: SamplingParams, vocab: int, device) -> torch.Tensor:
+    """float32 `[V]`: the request's `logit_bias` as a dense vector (ids >= V ignored), built once per request."""
+    def make():
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
+        vals = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
+        keep = ids < vocab
+        return torch.zeros(vocab).index_put_((ids[keep],), vals[keep], accumulate=True).to(device)
+
+    return _cached(params, ("logit_bias", vocab, str(device)), make)
+
+
+def stop_id_tensor(params: SamplingParams, vocab: int, device) -> torch.Tensor:
+    """int64 `[S]`: the request's stop token ids below V (EOS included unless `ignore_eos`), built once."""
+    return _cached(params, ("stop_ids", vocab, str(device)), lambda: torch.tensor(
+        sorted(t for t in params.all_stop_token_ids if t < vocab), dtype=torch.long, device=device))
+
+
 def apply_logits_processors(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """logit_bias, min_tokens and the penalties of each row's SamplingParams (rows that need none are left
     as they are). Returns new float32 `[B, V]` logits; `logits` itself is not changed.
 
     min_tokens masks (to -inf) the row's stop token ids, EOS included unless `ignore_eos`, while the row
     has fewer than min_tokens output tokens (vLLM's `MinTokensLogitsProcessor`).
+
+    The per-step cost does not grow with the size of a request's bias or stop-id list in Python: each
+    request's bias vector and stop-id tensor are built once (`logit_bias_vector`, `stop_id_tensor`) and
+    applied to all its rows with one tensor op, so `n=128` with a bias over the whole vocabulary costs a
+    `[128, V]` add per step.
     """
     params = [s.params for s in seqs]
     dev, vocab = logits.device, logits.shape[-1]
-    if any(p.logit_bias for p in params):
-        rows, cols, vals = [], [], []
-        for i, p in enumerate(params):
-            for t, b in (p.logit_bias or {}).items():
-                rows.append(i), cols.append(t), vals.append(b)
-        logits = logits.index_put((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
-                                  torch.tensor(vals, dtype=logits.dtype, device=dev), accumulate=True)
-    stops = [sorted(t for t in s.stop_ids if t < vocab) if len(s.output_token_ids) < s.params.min_tokens else []
-             for s in seqs]
-    if any(stops):
-        rows = torch.tensor([i for i, st in enumerate(stops) for _ in st], device=dev, dtype=torch.long)
-        cols = torch.tensor([t for st in stops for t in st], device=dev, dtype=torch.long)
-        logits = logits.index_put((rows, cols), torch.tensor(float("-inf"), device=dev))
+    copied = False
+    for p, rows in _by_params(seqs, lambda s: bool(s.params.logit_bias)):
+        if not copied:
+            logits, copied = logits.clone(), True
+        logits[rows] += logit_bias_vector(p, vocab, dev)
+    for p, rows in _by_params(seqs, lambda s: len(s.output_token_ids) < s.params.min_tokens):
+        ids = stop_id_tensor(p, vocab, dev)
+        if ids.numel():
+            if not copied:
+                logits, copied = logits.clone(), True
+            r = torch.tensor(rows, dtype=torch.long, device=dev)
+            logits[r.unsqueeze(1), ids.unsqueeze(0)] = float("-inf")
     if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params):
         logits = apply_penalties(
             logits, [s.prompt_token_ids if s.params.repetition_penalty != 1.0 else [] for s in seqs],

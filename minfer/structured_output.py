@@ -73,6 +73,26 @@ def grammar_text(guided: GuidedDecodingParams) -> str:
     return ll.grammar_from("grammar", guided.grammar)
 
 
+def one_line(message: str, limit: int = 300) -> str:
+    """The grammar library's message as one line for a client: its first line, without a Rust panic's
+    backtrace ("assertion failed: grammar.symbols.len() < u16::MAX ... stack backtrace: ..."), at most
+    `limit` characters."""
+    text = str(message).split("stack backtrace:")[0].split("note: run with `RUST_BACKTRACE")[0]
+    line = next((x.strip() for x in text.splitlines() if x.strip()), "") or "the grammar library failed"
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+def _guarded(kind: str, fn, *args, **kwargs):
+    """`fn(*args)` with a panic inside the grammar library (pyo3's PanicException, a BaseException) turned
+    into the ValueError a bad grammar gets: a request must not take the process down or echo a backtrace."""
+    try:
+        return fn(*args, **kwargs)
+    except BaseException as exc:  # noqa: BLE001 - only the library's panic is caught, everything else re-raised
+        if type(exc).__name__ != "PanicException":
+            raise
+        raise ValueError(f"invalid guided_decoding {kind}: the grammar library refused it: {one_line(exc)}") from None
+
+
 def validate_grammar(guided: GuidedDecodingParams) -> str:
     """Compile `guided` without a tokenizer (what the server checks before admission); returns the grammar.
 
@@ -84,9 +104,9 @@ def validate_grammar(guided: GuidedDecodingParams) -> str:
         text = grammar_text(guided)
     except ValueError as exc:
         raise ValueError(f"invalid guided_decoding {guided.kind}: {exc}") from None
-    error = ll.LLMatcher.validate_grammar(text)
+    error = _guarded(guided.kind, ll.LLMatcher.validate_grammar, text)
     if error:
-        raise ValueError(f"invalid guided_decoding {guided.kind}: {error[:500]}")
+        raise ValueError(f"invalid guided_decoding {guided.kind}: {one_line(error)}")
     return text
 
 
@@ -127,18 +147,46 @@ class StructuredOutputManager:
         self.hf, self.vocab_size, self.eos = hf_tokenizer, vocab_size, tuple(eos_token_ids)
         self.matchers: dict[int, object] = {}
         self.mask_time_s = 0.0  # seconds spent computing masks (the cost a guided step adds)
+        self._ready: dict[int, tuple] = {}  # id(guided) -> (guided, matcher or ValueError): `precompile`'s
+        self._ready_lock = threading.Lock()
+
+    def precompile(self, guided: GuidedDecodingParams) -> None:
+        """Compile `guided` now and keep the matcher (or the ValueError) for the `compile(guided)` that follows,
+        for the same object. Safe to call from another thread: the engine process compiles a request's grammar
+        in a worker thread (llguidance releases the GIL while it compiles), off the engine step, and adds the
+        request once it is ready (`serve.engine_core.EngineCore`)."""
+        try:
+            result = self._compile(guided)
+        except ValueError as exc:
+            result = exc
+        with self._ready_lock:
+            self._ready[id(guided)] = (guided, result)
+
+    def discard(self, guided: GuidedDecodingParams) -> None:
+        """Forget what `precompile(guided)` made (its request was aborted before it was added)."""
+        with self._ready_lock:
+            self._ready.pop(id(guided), None)
 
     def compile(self, guided: GuidedDecodingParams):
-        """A fresh matcher for `guided`.
+        """A fresh matcher for `guided` (the one `precompile(guided)` made, if it did).
 
         Raises:
             ValueError: the grammar is invalid (with the library's message).
         """
+        with self._ready_lock:
+            entry = self._ready.pop(id(guided), None)
+        if entry is not None and entry[0] is guided:
+            if isinstance(entry[1], ValueError):
+                raise entry[1]
+            return entry[1]
+        return self._compile(guided)
+
+    def _compile(self, guided: GuidedDecodingParams):
         ll = _llguidance()
         text = validate_grammar(guided)
-        m = ll.LLMatcher(llg_tokenizer(self.hf, self.vocab_size, self.eos), text, log_level=0)
+        m = _guarded(guided.kind, ll.LLMatcher, llg_tokenizer(self.hf, self.vocab_size, self.eos), text, log_level=0)
         if m.is_error():
-            raise ValueError(f"invalid guided_decoding {guided.kind}: {m.get_error()[:500]}")
+            raise ValueError(f"invalid guided_decoding {guided.kind}: {one_line(m.get_error())}")
         # A grammar whose language is empty ("start: start", {"$ref": "#"}, a regex of an empty class) compiles,
         # and the matcher only goes into error on the first mask: compute that mask now (scratch memory; it does
         # not advance the matcher) so the request is refused before admission instead of ending "" with "stop".

@@ -19,6 +19,11 @@ if [ "${1:-}" = "--test" ]; then
     (apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null) \
       || echo "setup: could not install chromium; the browser test will be skipped"
   fi
+  # .ci/run measures the suite's peak memory with GNU time (`/usr/bin/time -v`).
+  if [ ! -x /usr/bin/time ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    (apt-get update -qq && apt-get install -y -qq time >/dev/null) \
+      || echo "setup: could not install GNU time; .ci/run will not print the suite's peak memory"
+  fi
   # tests/test_prometheus.py scrapes the server with a real Prometheus (Debian's); it skips itself without one.
   if ! command -v prometheus >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null) \

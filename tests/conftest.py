@@ -1,4 +1,10 @@
-"""Shared fixtures. Tests never touch the network: the hub is forced offline here."""
+"""Shared fixtures. Tests never touch the network: the hub is forced offline here.
+
+Memory (issue 28: the suite fits in 8 GB peak resident). The session fixtures that hold a model (`llm`,
+`hf_oracle`, `llm_triton`) are released after the last test that uses them (`pytest_runtest_teardown`
+below), not kept to the end of the session; and the run ends with a line giving the peak resident memory of
+this process and of its largest child process (servers, engine processes), which `.ci/run` prints too.
+"""
 
 import os
 
@@ -9,6 +15,51 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+
+# Session fixtures holding a model: released after the last collected test that uses them.
+RELEASED_FIXTURES = ("llm", "hf_oracle", "llm_triton")
+_last_user: dict[str, str] = {}  # fixture name -> node id of the last test that uses it
+
+
+def pytest_collection_modifyitems(session, config, items):
+    _last_user.clear()
+    for item in items:
+        for name in RELEASED_FIXTURES:
+            if name in getattr(item, "fixturenames", ()):
+                _last_user[name] = item.nodeid
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Finish (drop) a model-holding session fixture once its last user ran: the model's memory goes back
+    instead of staying resident beside every later module's own models."""
+    import gc
+
+    done = [n for n, nodeid in _last_user.items() if nodeid == item.nodeid]
+    if not done:
+        return
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    for name in done:
+        for fixturedef in defs.get(name, ()):
+            try:
+                fixturedef.finish(item._request)
+            except Exception as exc:  # noqa: BLE001 - pytest internals moved: keep the model, say so
+                print(f"conftest: could not release fixture {name!r}: {exc}")
+    gc.collect()
+
+
+def peak_rss_mb() -> tuple[float, float]:
+    """(this process's, its largest waited-for child's) peak resident memory in MB (ru_maxrss, Linux KiB)."""
+    import resource
+
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    me, child = peak_rss_mb()
+    terminalreporter.write_line(f"peak resident memory: pytest {me:.0f} MB, largest child process {child:.0f} MB (a forked child counts the pages it shares) "
+                                "(budget: 8 GB)")
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 

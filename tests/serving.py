@@ -73,6 +73,37 @@ def running_server(args: list[str], fake_engine_args: list[str] | None = None, t
 
 
 @contextlib.contextmanager
+def server_process(args: list[str], timeout: float = 300):
+    """Yield `(proc, url, log_path)` of `python -m minfer.serve ARGS` once /health answers 200, for tests that
+    kill or stop its processes and read its exit status; the server is killed afterwards if still running."""
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    log = tempfile.NamedTemporaryFile(prefix="minfer-serve-test-", suffix=".log", delete=False)
+    proc = subprocess.Popen([sys.executable, "-m", "minfer.serve", "--host", "127.0.0.1", "--port", str(port),
+                             *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + timeout
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{Path(log.name).read_text()[-4000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                pytest.fail(f"server not healthy after {timeout} s:\n{Path(log.name).read_text()[-4000:]}")
+            time.sleep(0.25)
+        yield proc, url, log.name
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.unlink(log.name)
+
+
+@contextlib.contextmanager
 def server_in_thread(app, timeout: float = 30, **uvicorn_options):
     """Yield the base URL of `app` served by uvicorn on a free loopback port in a thread; stop it afterwards.
 

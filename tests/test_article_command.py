@@ -159,11 +159,16 @@ def test_article_command_serves_generate_and_openai_routes():
         tok = httpx.post(url + "/tokenize", json={"prompt": "The capital of France is"}).json()
         assert httpx.post(url + "/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"].endswith(
             "The capital of France is")
-        # the per-request and per-step series, measured in the engine process
-        time.sleep(0.3)
-        text = httpx.get(url + "/metrics").text
+        # the per-request and per-step series, measured in the engine process: they arrive with the engine's
+        # next stats message, polled for (no fixed sleep: a loaded machine delays that message)
+        deadline = time.time() + 60
+        while True:
+            text = httpx.get(url + "/metrics", timeout=30).text
+            values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+            if values.get("vllm:request_generation_tokens_count", 0) >= 4 or time.time() > deadline:
+                break
+            time.sleep(0.2)
         assert 'vllm:cache_config_info{' in text and 'enable_prefix_caching="True"' in text
-        values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
         for name in ("request_queue_time_seconds_count", "request_prefill_time_seconds_count",
                      "request_decode_time_seconds_count", "request_generation_tokens_count"):
             assert values["vllm:" + name] >= 4, name  # the finished /generate x2 and /v1 requests, not the aborted

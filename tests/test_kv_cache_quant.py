@@ -184,7 +184,10 @@ CONFIGS_PER_DTYPE = {"int8": list(ENGINE_CONFIGS), "fp8": ["default", "preempt-s
 # those into whole code steps (36,169 of 299,520 K/V codes of the prompt differ by the last layer), and prompt 1
 # ("Name three primary colors.") flips at its first token, where the simple path's top two are 0.037 nats
 # apart (20667 at -1.614 vs 216 at -1.651). Chunks of 16 rows happened to give the same bits as the whole prompt.
-NEAR_TIE_FLIPS = {("int8", "chunked-prefix"): 1}
+# Chunked prefill is on by default (256 tokens a step on a CPU), so the other int8 configs prefill some of the 8
+# prompts in chunks too (those admitted when less than a whole prompt of the step's budget is left) and take
+# the same rule: measured, "torch-reference" flipped prompt 7 at token 12.
+NEAR_TIE_FLIPS = {("int8", "chunked-prefix"): 1, ("int8", "torch-reference"): 1, ("int8", "preempt-swap"): 1}
 
 
 @pytest.fixture(scope="module")

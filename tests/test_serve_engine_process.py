@@ -5,8 +5,9 @@
 - The real server (`python -m minfer.serve`, which runs the engine in a process of its own by default):
   it is two processes; 32 concurrent streams, half of them dropped mid-stream, leave every KV block free
   and the finished ones equal to the same request answered alone; a SIGKILLed engine process is seen within
-  seconds (/health 503, the stream in flight ends with an error event, a new request gets 503); a killed API
-  server takes its engine process with it.
+  seconds (the stream in flight ends with an error event, /health 503) and the server exits with status 3; a
+  SIGSTOPped engine fails /health and its requests within the heartbeat timeout; a killed API server takes its
+  engine process with it, idle or busy.
 
     pytest -q tests/test_serve_engine_process.py
 """
@@ -14,6 +15,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -28,7 +30,7 @@ import pytest
 
 from minfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minfer.serve.engine_core import encode_step
-from tests.serving import free_port, running_server
+from tests.serving import free_port, running_server, server_process
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
@@ -207,28 +209,112 @@ def test_32_streams_with_disconnects_leave_every_block_free(server):
         assert texts[i] == alone
 
 
-def test_killed_engine_process_is_detected_within_seconds():
-    with running_server(ARGS, check_log=False) as url:
+def _stream_then(url: str, action, max_tokens: int = 400, **extra):
+    """Start a greedy stream, wait for its first token, call `action()`, read the rest of the stream.
+    Returns (the rest's lines, seconds from the action to the stream's end)."""
+    body = {"model": MODEL, "prompt": "Write a long story.", "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0, "stream": True, **extra}
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", url + "/v1/completions", json=body) as resp:
+            lines = resp.iter_lines()
+            while not next(lines).startswith("data: {"):
+                pass
+            t0 = time.perf_counter()
+            action()
+            rest = list(lines)  # must end, not hang (the client's timeout would fail the test)
+            return rest, time.perf_counter() - t0
+
+
+def _errors(rest):
+    return [json.loads(x[6:]) for x in rest if x.startswith("data: {") and '"error"' in x]
+
+
+def _wait_exit(proc, timeout: float) -> int:
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the server was still running {timeout:g} s after its engine died")
+
+
+def test_killed_engine_process_is_detected_and_the_server_exits_nonzero():
+    """Issue 33: a dead engine is not served around. The stream in flight ends with a 503 error event within
+    seconds, /health says why while the server shuts down, and the server exits with status 3 (its
+    supervisor restarts it: chapter 15, "When the engine dies")."""
+    from minfer.serve.__main__ import ENGINE_DIED_EXIT_STATUS
+
+    with server_process(ARGS) as (proc, url, log):
         pid = _stats(url)["engine_pid"]
-        body = {"model": MODEL, "prompt": "Write a long story.", "max_tokens": 400, "ignore_eos": True,
-                "temperature": 0, "stream": True}
-        with httpx.Client(timeout=30) as c:
-            with c.stream("POST", url + "/v1/completions", json=body) as resp:
-                lines = resp.iter_lines()
-                while not next(lines).startswith("data: {"):
-                    pass
-                t_kill = time.perf_counter()
-                os.kill(pid, signal.SIGKILL)
-                rest = list(lines)  # must end, not hang (the client's timeout would fail the test)
-                t_end = time.perf_counter()
-        errors = [json.loads(x[6:]) for x in rest if x.startswith("data: {") and '"error"' in x]
+        rest, took = _stream_then(url, lambda: os.kill(pid, signal.SIGKILL))
+        errors = _errors(rest)
         assert errors and "engine process died" in errors[0]["error"]["message"], rest[-3:]
-        assert rest[-1] == "data: [DONE]" or "data: [DONE]" in rest
-        assert t_end - t_kill < 5, f"the stream ended {t_end - t_kill:.1f} s after the kill"
-        health = httpx.get(url + "/health", timeout=5)
-        assert health.status_code == 503 and "engine process died" in health.text
-        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=10)
-        assert r.status_code == 503, r.text
+        assert "data: [DONE]" in rest
+        assert took < 5, f"the stream ended {took:.1f} s after the kill"
+        try:
+            health = httpx.get(url + "/health", timeout=5)
+            assert health.status_code == 503 and "engine process died" in health.text
+        except httpx.TransportError:
+            pass  # the server already closed its socket on its way out
+        assert _wait_exit(proc, 30) == ENGINE_DIED_EXIT_STATUS
+        assert "exiting with status 3" in Path(log).read_text()
+
+
+def test_stopped_engine_process_fails_health_and_requests_within_the_heartbeat_bound():
+    """A SIGSTOPped engine (alive but silent): /health turns 503 within the heartbeat timeout (3 s here) and
+    keeps answering in well under a second, the stream in flight ends with a 503 error event within the
+    timeout plus a poll, and the stopped process is killed (the server then exits with status 3)."""
+    from minfer.serve.__main__ import ENGINE_DIED_EXIT_STATUS
+
+    timeout = 3.0
+    with server_process([*ARGS, "--engine-heartbeat-timeout", str(timeout)]) as (proc, url, log):
+        pid = _stats(url)["engine_pid"]
+        probes = []
+
+        def stop():
+            os.kill(pid, signal.SIGSTOP)
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < timeout + 2:  # /health stays fast while the engine is stopped
+                t = time.perf_counter()
+                code = httpx.get(url + "/health", timeout=5).status_code
+                probes.append((t - t0, time.perf_counter() - t, code))
+                if code == 503:
+                    break
+                time.sleep(0.2)
+
+        try:
+            rest, took = _stream_then(url, stop)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        assert max(p[1] for p in probes) < 1.0, probes
+        assert probes[-1][2] == 503 and probes[-1][0] < timeout + 1.5, probes
+        errors = _errors(rest)
+        assert errors and "stopped answering" in errors[0]["error"]["message"], rest[-3:]
+        assert took < timeout + 3, f"the stream ended {took:.1f} s after SIGSTOP"
+        assert _wait_exit(proc, 30) == ENGINE_DIED_EXIT_STATUS
+        deadline = time.time() + 10
+        while _alive(pid):
+            assert time.time() < deadline, "the stalled engine process was not killed"
+            time.sleep(0.1)
+
+
+def test_killed_api_server_takes_its_busy_engine_process_with_it():
+    """The engine process ends when its parent dies, also in the middle of generating (the heartbeat thread
+    checks the parent every 0.5 s; the step loop never waits for work)."""
+    with server_process(ARGS) as (proc, url, log):
+        pid = _stats(url)["engine_pid"]
+
+        def kill_api():
+            proc.kill()  # SIGKILL: no shutdown code runs in the API process
+            proc.wait(10)
+
+        with contextlib.suppress(httpx.HTTPError):
+            # 16 sequences of 480 tokens: minutes of work, so an engine that only looked for its parent when
+            # idle would outlive the server by far more than the 5 s allowed here
+            _stream_then(url, kill_api, max_tokens=480, n=16, temperature=1.0)
+        deadline = time.time() + 5
+        while _alive(pid):
+            assert time.time() < deadline, "the busy engine process outlived its API server by 5 s"
+            time.sleep(0.1)
 
 
 def test_killed_api_server_takes_its_engine_process_with_it():

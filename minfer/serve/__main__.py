@@ -18,12 +18,17 @@ import sys
 from dataclasses import fields
 
 from minfer.config import ATTENTION_BACKENDS, DEFAULT_MODEL, KERNELS, EngineArgs
+from minfer.serve.engine_client import ENGINE_HEARTBEAT_TIMEOUT
 from minfer.serve.limits import ServerLimits
 from minfer.serve.router import ROUTER_POLICIES
 
 logger = logging.getLogger("minfer.serve")
 
 _DEFAULTS = {f.name: f.default for f in fields(EngineArgs)}
+# The exit status when the engine process died (or was killed as stalled): the server does not restart it
+# itself; its supervisor (systemd Restart=on-failure, Kubernetes, docker --restart) restarts the whole server
+# (chapter 15, "When the engine dies").
+ENGINE_DIED_EXIT_STATUS = 3
 _LIMITS = ServerLimits()
 
 
@@ -128,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--engine-process", action=argparse.BooleanOptionalAction, default=True,
       help="run the engine core in a process of its own, beside the HTTP server, as vLLM v1 does; "
            "--no-engine-process runs it in a thread of the server's process (default: on)")
+    a("--engine-heartbeat-timeout", type=float, metavar="S", default=ENGINE_HEARTBEAT_TIMEOUT,
+      help="seconds without a heartbeat from the engine process (it beats every 0.5 s) before it counts as "
+           "stalled: /health turns 503, the process is killed and its requests end with a 503, and the server "
+           f"exits with status {ENGINE_DIED_EXIT_STATUS} (default: {ENGINE_HEARTBEAT_TIMEOUT:g})")
     a("--disable-log-requests", action="store_true",
       help="do not log each request (the article's flag; vLLM 0.32 logs none unless --enable-log-requests; "
            "default: log them)")
@@ -275,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     from minfer.serve.metrics import ServerMetrics  # noqa: PLC0415
 
     names = args.served_model_name or [engine_args.model]
+    server_box: dict = {}  # the uvicorn.Server, once made: a dead engine tells it to stop
     try:
         if engine_args.data_parallel_size > 1:  # N engine processes behind the router (chapter 12b)
             from minfer.serve.router import DPEngineClient  # noqa: PLC0415
@@ -288,7 +298,11 @@ def main(argv: list[str] | None = None) -> int:
         elif args.engine_process:  # the model loads in the engine process; this one gets a view of it
             from minfer.serve.engine_client import MPEngineClient  # noqa: PLC0415
 
-            engine_loop = MPEngineClient(engine_args, ServerMetrics(names[0]))
+            if not args.engine_heartbeat_timeout > 0:
+                raise ValueError(f"--engine-heartbeat-timeout must be > 0, got {args.engine_heartbeat_timeout}")
+            engine_loop = MPEngineClient(engine_args, ServerMetrics(names[0]),
+                                         heartbeat_timeout=args.engine_heartbeat_timeout,
+                                         on_death=lambda: _engine_died(server_box))
             engine_loop.start()
             engine = engine_loop.engine_view
         else:
@@ -324,9 +338,26 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("fallbacks: %s", fallbacks)
     logger.info("serving on http://%s:%d (OpenAI API at /v1, metrics at /metrics, demo page at /)%s",
                 args.host, args.port, ", API key required" if args.api_key else "")
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                timeout_graceful_shutdown=2, **uvicorn_options(limits))
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                          timeout_graceful_shutdown=2, **uvicorn_options(limits)))
+    server_box["server"] = server
+    if server_box.get("engine_died"):  # it died while the app was being built
+        return ENGINE_DIED_EXIT_STATUS
+    server.run()
+    if server_box.get("engine_died"):
+        logger.error("the engine process died; exiting with status %d so that a supervisor restarts the server",
+                     ENGINE_DIED_EXIT_STATUS)
+        return ENGINE_DIED_EXIT_STATUS
     return 0
+
+
+def _engine_died(server_box: dict) -> None:
+    """`MPEngineClient.on_death`: stop serving (in-flight requests already got their 503s; uvicorn's graceful
+    shutdown lets those answers go out) so that `main` returns `ENGINE_DIED_EXIT_STATUS`."""
+    server_box["engine_died"] = True
+    server = server_box.get("server")
+    if server is not None:
+        server.should_exit = True
 
 
 if __name__ == "__main__":

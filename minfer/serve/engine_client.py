@@ -17,7 +17,12 @@ the message when the engine is gone).
 - `MPEngineClient` starts `engine_core.core_main` in a spawned process and talks to it over two ZMQ
   sockets. A receiver thread turns each step message back into cumulative `RequestSnapshot`s and hands them
   to the event loop in one `call_soon_threadsafe` per message. The thread also watches the process: when it
-  dies, every in-flight request gets a "fatal" event at once and `alive` turns False.
+  dies, every in-flight request gets a "fatal" event at once and `alive` turns False. The engine process
+  sends a heartbeat every 0.5 s (`engine_core.Heartbeat`); when nothing has come from it for
+  `heartbeat_timeout` seconds (a stopped or wedged process) `alive` turns False at once (/health answers
+  503), and the receiver thread kills the process and fails its requests with a 503 like a death. After a
+  death `on_death` is called once: the server (`python -m minfer.serve`) then exits non-zero so that its
+  supervisor restarts it (chapter 15, "When the engine dies").
 
 `router.DPEngineClient` holds one client per replica behind a routing policy (chapter 12b).
 """
@@ -46,6 +51,12 @@ logger = logging.getLogger("minfer.serve")
 InprocClient = EngineLoop  # the in-process implementation (a thread owns the engine)
 
 _EXC = {"ValueError": ValueError, "TypeError": TypeError}
+
+# Seconds without any message from the engine process (its heartbeat comes every 0.5 s) before it counts as
+# stalled: /health turns 503 and its requests end with a 503 within this bound (plus one 0.2 s poll). Long
+# enough that a heavily loaded 2-core machine, where a niced process can wait seconds for a core, does not
+# kill a healthy engine; short enough that a client gives up on its own later than that.
+ENGINE_HEARTBEAT_TIMEOUT = 10.0
 
 
 class EngineView:
@@ -117,13 +128,18 @@ class MPEngineClient:
         engine_args: the `EngineArgs` the engine process builds its `LLMEngine` from.
         metrics: `ServerMetrics` to update (in this process), or None.
         startup_timeout: seconds to wait for the model to load (seconds).
+        heartbeat_timeout: seconds without a message from the engine process before it is declared stalled
+            (killed, its requests failed with 503).
+        on_death: called once (from the receiver thread, no arguments) after the engine process died or was
+            killed as stalled; the server passes its own shutdown.
 
     Raises (from `start`):
         ValueError: the engine refused its settings (as `LLMEngine` would in-process).
         RuntimeError: the engine process failed to start or died while loading.
     """
 
-    def __init__(self, engine_args, metrics: ServerMetrics | None = None, startup_timeout: float = 600.0):
+    def __init__(self, engine_args, metrics: ServerMetrics | None = None, startup_timeout: float = 600.0,
+                 heartbeat_timeout: float = ENGINE_HEARTBEAT_TIMEOUT, on_death=None):
         import msgpack
         import zmq
 
@@ -157,6 +173,9 @@ class MPEngineClient:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._dead = False
+        self.heartbeat_timeout = heartbeat_timeout
+        self.on_death = on_death
+        self._last_heard = time.monotonic()  # when the last message (a heartbeat or any other) arrived
 
     # --- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -189,6 +208,7 @@ class MPEngineClient:
         self.kv_pool_info = info["kv_pool_info"]
         self.engine_pid = info["pid"]
         self._on_stats(info["stats"])
+        self._last_heard = time.monotonic()
         self._thread = threading.Thread(target=self._recv_loop, name="minfer-engine-client", daemon=True)
         self._thread.start()
 
@@ -208,7 +228,12 @@ class MPEngineClient:
 
     @property
     def alive(self) -> bool:
-        return self._proc is not None and not self._dead and self._proc.is_alive()
+        return self._proc is not None and not self._dead and self._proc.is_alive() and not self.stalled
+
+    @property
+    def stalled(self) -> bool:
+        """Nothing came from a started engine process for `heartbeat_timeout` seconds."""
+        return self._thread is not None and time.monotonic() - self._last_heard > self.heartbeat_timeout
 
     # --- called from the event loop ------------------------------------------------------------------------
     def add(self, request_id: str, prompt, params, q: asyncio.Queue, arrival: float) -> None:
@@ -274,7 +299,13 @@ class MPEngineClient:
         return True
 
     def _dead_message(self) -> str:
+        if self.exit_reason is None and self.stalled:
+            return self._stall_message()
         return self.exit_reason or "the engine process is not running"
+
+    def _stall_message(self) -> str:
+        return (f"the engine process stopped answering (no heartbeat for {time.monotonic() - self._last_heard:.1f} s,"
+                f" limit {self.heartbeat_timeout:g} s)")
 
     # --- receiver thread -----------------------------------------------------------------------------------
     def _recv_loop(self) -> None:
@@ -285,13 +316,28 @@ class MPEngineClient:
                     if not self._proc.is_alive():
                         self._on_death()
                         return
+                    if self.stalled:
+                        self._kill_stalled()
+                        return
                     continue
                 msg = self._unpack(sock.recv())
-                self._on_message(msg)
+                self._last_heard = time.monotonic()
+                if msg[0] != "heartbeat":
+                    self._on_message(msg)
             except Exception:  # noqa: BLE001 - a bad message must not kill the receiver
                 if self._stop.is_set():
                     return
                 logger.exception("engine client: could not handle a message")
+
+    def _kill_stalled(self) -> None:
+        """A stalled engine process is killed (SIGKILL ends a stopped process too) and treated as dead: its
+        requests get a 503 now rather than wait for a process that may never answer."""
+        reason = self._stall_message()
+        logger.error("%s; killing it (pid %s)", reason, self.engine_pid)
+        self._fatal_reason = reason
+        self._proc.kill()
+        self._proc.join(5)
+        self._on_death()
 
     def _on_death(self) -> None:
         """Mark the engine dead and answer every registered request and job with a 503 at once (idempotent:
@@ -314,6 +360,13 @@ class MPEngineClient:
         # A request still waiting for "added" (`RequestGroup.submit`), or a job, waits for "error"; a "fatal"
         # event would be kept for later and the request would wait forever.
         self._post_many([(r, (rid, "fatal" if r.added else "error", err)) for rid, r in routes])
+        # /v1/stats and /metrics stop counting the dead engine's requests: none of them runs any more.
+        self._on_stats({**self.latest_stats, "num_running": 0, "num_waiting": 0, "num_swapped": 0})
+        if first and self.on_death is not None:
+            try:
+                self.on_death()
+            except Exception:  # noqa: BLE001 - the server's shutdown hook must not kill the receiver
+                logger.exception("engine client: on_death failed")
 
     def _post_many(self, events) -> None:
         """Put (route, event) pairs on their queues with one hop per event loop."""

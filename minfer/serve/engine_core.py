@@ -27,9 +27,12 @@ A message from the core is a msgpack list whose first item says what it is:
                                     status 503 when the engine cannot go on (a dead worker), else 500
     ["job", job_id, "done", pickled result] / ["job", job_id, "error", [type, message]]
                                     a job (`("job", job_id, fn)`: beam search) ran on the idle engine
+    ["heartbeat"]                   every `HEARTBEAT_INTERVAL` s, from a thread of its own (`Heartbeat`)
 
-The process exits when its parent does (checked whenever it waits for work), so a killed server leaves
-no engine behind.
+The heartbeat is vLLM v1's engine-core liveness signal in small: the API process marks the engine unhealthy
+and fails its requests with a 503 when no message came for `--engine-heartbeat-timeout` seconds (a stopped
+or wedged process). The same thread ends this process when its parent dies (checked every beat, busy or
+idle), so a killed server leaves no engine behind, not even one in the middle of a long step.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import threading
 import time
 import traceback
 
@@ -114,6 +118,47 @@ def stats_dict(stats) -> dict:
     return {k: v for k, v in vars(stats).items() if not k.startswith("_")}
 
 
+HEARTBEAT_INTERVAL = 0.5  # seconds between two heartbeats (and two checks that the parent is alive)
+# Longest a request's grammar may take to compile (in the worker thread) before the request is refused (s).
+GRAMMAR_COMPILE_TIMEOUT = 30.0
+
+
+class Heartbeat(threading.Thread):
+    """Send ["heartbeat"] every `interval` s on a PUSH socket of its own, and end the process (exit status 0)
+    when its parent has exited.
+
+    It runs beside the engine step: torch releases the GIL in its kernels and Python switches threads every
+    5 ms otherwise, so beats keep coming during a long step; they stop when the whole process is stopped
+    (SIGSTOP) or dead. A ZMQ socket belongs to one thread, hence the second socket on the same address.
+    """
+
+    def __init__(self, ctx, output_addr: str, parent: int, interval: float = HEARTBEAT_INTERVAL):
+        super().__init__(name="minfer-engine-heartbeat", daemon=True)
+        self.ctx, self.addr, self.parent, self.interval = ctx, output_addr, parent, interval
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        import msgpack
+        import zmq
+
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 4)  # beats that cannot be delivered are dropped, never queued up
+        sock.connect(self.addr)
+        beat = msgpack.packb(["heartbeat"])
+        try:
+            while not self.stopped.wait(self.interval):
+                if os.getppid() != self.parent:  # the API process is gone: nobody reads our outputs
+                    logger.info("parent process %d exited; engine core stops", self.parent)
+                    os._exit(0)  # the main thread may be inside a step: end the process from here
+                try:
+                    sock.send(beat, zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass  # the API process is not reading (or gone): the parent check above ends us
+        finally:
+            sock.close(linger=0)
+
+
 class EngineCore:
     """One `LLMEngine` driven by commands from a socket, its outputs written to another (the process body).
 
@@ -141,6 +186,10 @@ class EngineCore:
         self._added: list[str] = []
         self._jobs: list = []  # (job_id, fn) waiting for an idle engine
         self._deferred: list = []  # "add" commands that arrived while a job waited
+        # Guided "add" commands whose grammar compiles in a worker thread, off the engine step:
+        # [future, cmd, started (perf_counter), aborted]; added in order once compiled (`_finish_compiles`).
+        self._compiling: list = []
+        self._compiler = None  # a one-thread ThreadPoolExecutor, made for the first guided request
 
     def _send(self, msg) -> None:
         self.out.send(self.pack(msg), copy=False)
@@ -161,7 +210,9 @@ class EngineCore:
             self._jobs = [j for j in self._jobs if j[0] != cmd[1]]
             if not self._jobs:
                 self._release_deferred()
-        elif cmd[0] == "add":
+        elif cmd[0] == "add" and getattr(cmd[3], "guided_decoding", None) is not None and self._can_precompile():
+            self._start_compile(cmd)
+        elif cmd[0] in ("add", "add_compiled"):
             _, rid, prompt, params, arrival = cmd
             try:
                 self.engine.add_request(rid, prompt, params, arrival_time=arrival)
@@ -170,11 +221,56 @@ class EngineCore:
             else:
                 self._added.append(rid)
         elif cmd[0] == "abort":
+            gone = set(cmd[1])
+            for entry in self._compiling:
+                if entry[1][1] in gone:
+                    entry[3] = True  # aborted while compiling: dropped when its compile ends
             rids = [r for r in cmd[1] if r in self.engine.requests]
             for r in cmd[1]:
                 self.sent.pop(r, None)
             if rids:
                 self.engine.abort_request(rids)
+
+    def _can_precompile(self) -> bool:
+        return callable(getattr(self.engine, "_structured", None))
+
+    def _start_compile(self, cmd) -> None:
+        """Compile the request's grammar in the worker thread; the request is added when it is ready."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self._compiler is None:
+            self._compiler = ThreadPoolExecutor(1, thread_name_prefix="minfer-grammar")
+        guided, engine = cmd[3].guided_decoding, self.engine
+        future = self._compiler.submit(lambda: engine._structured().precompile(guided))
+        self._compiling.append([future, cmd, time.perf_counter(), False])
+
+    def _finish_compiles(self) -> None:
+        """Add, in arrival order, the guided requests whose grammar is compiled (the first still compiling
+        holds those behind it); one past `GRAMMAR_COMPILE_TIMEOUT` is refused (the library's own limits bound
+        a grammar's size; this bounds its time)."""
+        while self._compiling:
+            future, cmd, started, aborted = self._compiling[0]
+            if not future.done():
+                if aborted or time.perf_counter() - started <= GRAMMAR_COMPILE_TIMEOUT:
+                    break
+                self._compiling.pop(0)  # its thread runs on; what it makes is discarded below
+                future.add_done_callback(lambda _f, g=cmd[3].guided_decoding: self._discard(g))
+                self._send(["error", cmd[1], "ValueError", "invalid SamplingParams.guided_decoding: the grammar "
+                            f"did not compile within {GRAMMAR_COMPILE_TIMEOUT:g} s"])
+                continue
+            self._compiling.pop(0)
+            if aborted:
+                self._discard(cmd[3].guided_decoding)
+            else:
+                self._run_command(("add_compiled", *cmd[1:]))
+        if self._added:
+            self._send(["added", self._added])
+            self._added = []
+
+    def _discard(self, guided) -> None:
+        so = getattr(self.engine, "structured_output", None)
+        if so is not None:
+            so.discard(guided)
 
     def _release_deferred(self) -> None:
         deferred, self._deferred = self._deferred, []
@@ -238,8 +334,9 @@ class EngineCore:
     def run(self) -> None:
         engine = self.engine
         while True:
+            self._finish_compiles()
             busy = engine.has_unfinished_requests()
-            ran = self._drain(0 if busy else 200)
+            ran = self._drain(0 if busy else (5 if self._compiling else 200))
             if not busy and not ran and not self._jobs:
                 if os.getppid() != self.parent:  # the API process is gone: nobody will read our outputs
                     logger.info("parent process exited; engine core stops")
@@ -295,6 +392,10 @@ def core_main(engine_args, input_addr: str, output_addr: str) -> None:
     out.setsockopt(zmq.LINGER, 2000)
     out.connect(output_addr)
     pack = msgpack.Packer(use_bin_type=True).pack
+    # From the start: a parent that dies while the model loads ends this process too (beats before "ready"
+    # are ignored by the client's start-up wait).
+    heartbeat = Heartbeat(ctx, output_addr, os.getppid())
+    heartbeat.start()
     try:
         from minfer.engine import LLMEngine
 
@@ -302,6 +403,8 @@ def core_main(engine_args, input_addr: str, output_addr: str) -> None:
     except Exception as exc:  # noqa: BLE001 - reported to the API process, which exits with it
         out.send(pack(["ready", pickle.dumps({"error": f"{type(exc).__name__}: {exc}",
                                               "value_error": isinstance(exc, ValueError)})]))
+        heartbeat.stopped.set()
+        heartbeat.join(2)
         out.close()
         ctx.term()
         return

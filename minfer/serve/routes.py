@@ -111,14 +111,32 @@ async def _read(request: Request) -> tuple[OpenAIServing, dict, str]:
     time limits), the model."""
     serving = _serving(request)
     require_json(request)
-    body = parse_json_body(await read_body(request, serving.limits))
+    raw = await read_body(request, serving.limits)
+    # A large body is parsed in a worker thread: the event loop (and /health with it) keeps answering while
+    # megabytes of JSON are read (issue 28: /health waited behind 2 M stop ids).
+    body = parse_json_body(raw) if len(raw) < OFF_LOOP_BYTES else await run_in_threadpool(parse_json_body, raw)
     return serving, body, resolve_model(body, serving.served_model_names)
+
+
+OFF_LOOP_BYTES = 64 * 1024  # bodies from this size on are parsed, and their sampling params checked, off the loop
+
+
+async def _off_loop(body: dict, fn, *args, **kwargs):
+    """`fn(*args, **kwargs)` (the sampling-params check: long id lists, grammars compiled without the tokenizer)
+    in a worker thread when the request is large (an approximation: the body had many items), else inline."""
+    if _large(body):
+        return await run_in_threadpool(fn, *args, **kwargs)
+    return fn(*args, **kwargs)
+
+
+def _large(body: dict) -> bool:
+    return any(isinstance(v, (list, dict, str)) and len(v) > 1000 for v in body.values())
 
 
 async def _parse(request: Request, *, chat: bool) -> tuple[OpenAIServing, dict, str, SamplingParams]:
     """`_read`, then the sampling parameters."""
     serving, body, model = await _read(request)
-    return serving, body, model, sampling_params(body, chat=chat)
+    return serving, body, model, await _off_loop(body, sampling_params, body, chat=chat)
 
 
 @router.post("/v1/completions")
@@ -126,7 +144,8 @@ async def completions(request: Request):
     serving, body, model = await _read(request)
     beam = beam_search_requested(body)
     # Beam search reads its own fields (`serve.beam_search`); sampling's parser would refuse best_of != n.
-    params = beam_search_params(body)[0] if beam else sampling_params(body, chat=False)
+    params = (await _off_loop(body, beam_search_params, body))[0] if beam else await _off_loop(
+        body, sampling_params, body, chat=False)
     prompts = parse_prompts(body)
     width = params.beam_width if beam else params.n
     check_fan_out(len(prompts), width, serving.limits)  # before tokenizing: these cost nothing yet
@@ -178,7 +197,7 @@ async def chat_completions(request: Request):
     serving, body, model = await _read(request)
     if beam_search_requested(body):
         return await _chat_beam_search(request, serving, body, model)
-    params = sampling_params(body, chat=True)
+    params = await _off_loop(body, sampling_params, body, chat=True)
     check_fan_out(1, params.n, serving.limits)
     return await serve_chat(request, serving, body, model, params)
 
