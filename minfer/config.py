@@ -55,12 +55,13 @@ SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 # The per-step token budget with chunked prefill (vLLM's `max_num_batched_tokens`), by device. The budget is what
 # bounds a running stream's gap between tokens: a step computes at most this many prompt tokens beside the
-# decodes. On a 2-core CPU a SmolLM2-135M float32 step of 256 prompt tokens took 1.4 s and one of 512, 3.0 s,
-# with the machine loaded 4x (nice 19, load 7.9; 1,024 tokens 8.6 s, 2,048 tokens 42 s); an idle machine is
-# several times faster. 256 keeps a step, and so a victim's gap, near 1 s under that load, well under the 2 s
-# bound tests/test_no_stall.py holds streams to, and a prefill of 256 tokens still keeps both cores busy. On a
+# decodes. On an idle 2-core CPU a SmolLM2-135M float32 prompt token costs 1.46 ms in ~1,500-token steps, 1.66 ms
+# in 512-token steps and 2.03 ms in 256-token ones (oneDNN's GEMM loses efficiency on fewer rows; chapter 9b
+# §9b.12), so a 512-token step takes ~0.85 s, under the 2 s bound tests/test_no_stall.py holds streams to. In the
+# serving sweep of §9b.12, 512 gave the best throughput and TTFT of every budget (103.4 tok/s, TTFT 1.77 s,
+# TPOT 119 ms, against whole prompts' 96.0 tok/s, 3.35 s, 99 ms, and 256's 92.7 tok/s, 1.53 s, 141 ms). On a
 # GPU a 2,048-token chunk is milliseconds (vLLM's default for the LLM class).
-DEFAULT_CHUNK_BUDGET = {"cpu": 256, "cuda": 2048}
+DEFAULT_CHUNK_BUDGET = {"cpu": 512, "cuda": 2048}
 
 
 def default_max_num_batched_tokens(device_type: str, chunked: bool, max_model_len: int) -> int:

@@ -1,10 +1,10 @@
 """No request can stall another (issue 28): a running stream keeps getting tokens, and /health keeps answering,
 beside one heavy or hostile request.
 
-The bound. With the default flags (chunked prefill, 256 tokens a step on a CPU: `minfer.config.
+The bound. With the default flags (chunked prefill, 512 tokens a step on a CPU: `minfer.config.
 DEFAULT_CHUNK_BUDGET`) a step holds at most one chunk of prompt beside the decodes, so a running stream's
 largest gap between tokens is about one chunk step. The stated bound is 2 s on an idle 2-core machine, or
-`STEP_MULTIPLE` times the step this same server takes for one 256-token chunk, measured in the fixture,
+`STEP_MULTIPLE` times the step this same server takes for one default-budget chunk, measured in the fixture,
 whichever is larger: the bound follows the machine's load instead of failing on a busy CI runner, and a
 whole-prompt prefill (no chunking) or a per-step cost that grows with a request's size still breaks it.
 /health must answer within 1 s throughout (it is answered by the API process, never by the engine).
@@ -23,6 +23,7 @@ import httpx
 import pytest
 import torch
 
+from minfer.config import DEFAULT_CHUNK_BUDGET
 from minfer.sampling import apply_logits_processors, logit_bias_vector
 from minfer.sampling_params import SamplingParams
 from minfer.sequence import Sequence
@@ -94,8 +95,9 @@ def test_grammar_library_panic_reaches_the_client_as_one_line():
 @pytest.fixture(scope="module")
 def server():
     with running_server(ARGS, check_log=False) as url:
-        # one chunk step of this server on this machine now: a 256-token prompt's prefill, measured alone
-        prompt = {"model": MODEL, "prompt": [100 + i % 1000 for i in range(256)], "max_tokens": 1, "temperature": 0}
+        # one chunk step of this server on this machine now: a one-chunk prompt's prefill, measured alone
+        chunk = DEFAULT_CHUNK_BUDGET["cpu"]
+        prompt = {"model": MODEL, "prompt": [100 + i % 1000 for i in range(chunk)], "max_tokens": 1, "temperature": 0}
         httpx.post(url + "/v1/completions", json=prompt, timeout=300)  # warm-up
         t = time.perf_counter()
         httpx.post(url + "/v1/completions", json=prompt, timeout=300).raise_for_status()
