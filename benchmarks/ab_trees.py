@@ -32,7 +32,7 @@ ENGINE_SNIPPET = r"""
 import json, sys
 from minfer.bench.engine import Settings, make_llm, make_workload, run_engine_batch, kv_bytes_for
 s = Settings.full()
-llm = make_llm(max_model_len=1024, kv_cache_memory_bytes=1 << 30)
+llm = make_llm(max_model_len=1024, kv_cache_memory_bytes=1 << 30, **json.loads(sys.argv[1]))
 prompts, outs = make_workload(s.num_requests, s.prompt_len, s.output_len,
                               llm.llm_engine.model_config.config.vocab_size, s.seed)
 run_engine_batch(llm, prompts[:4], [4] * 4, progress=False)  # warm-up: builds, first-call costs
@@ -61,26 +61,29 @@ def run_decode(tree: Path) -> dict:
     return {"float32_tok_s": r.get("minfer_tok_s"), "gguf_tok_s": gguf.get("minfer_tok_s", gguf.get("tok_s"))}
 
 
-def run_engine(tree: Path) -> dict:
-    p = subprocess.run([sys.executable, "-c", ENGINE_SNIPPET], cwd=tree, env=_env(tree), check=True,
+def run_engine(tree: Path, engine_args: str) -> dict:
+    p = subprocess.run([sys.executable, "-c", ENGINE_SNIPPET, engine_args], cwd=tree, env=_env(tree), check=True,
                        capture_output=True, text=True, timeout=1800)
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1]
     r = json.loads(line[len("RESULT "):])
     return {"output_tok_s": r["output_tok_s"], "seconds": r["seconds"]}
 
 
-def run_server(tree: Path, log_dir: str) -> dict:
+def run_server(tree: Path, log_dir: str, minfer_args: str) -> dict:
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "serve.json"
         cmd = [sys.executable, str(Path(__file__).with_name("peer_vllm_serve.py")), "--servers", "minfer",
-               "--repeats", "1", "--log-dir", log_dir, "--json", str(out)]
+               "--repeats", "1", "--log-dir", log_dir, "--json", str(out), f"--minfer-args={minfer_args}"]
         subprocess.run(cmd, cwd=tree, env=_env(tree), check=True, capture_output=True, text=True, timeout=1800)
         r = json.loads(out.read_text())
     c = r["runs"]["minfer"][0]["client_minfer"]
     return {k: c[k] for k in ("output_throughput", "mean_ttft_ms", "mean_tpot_ms")}
 
 
-PARTS = {"decode": run_decode, "engine": run_engine, "server": run_server}
+# Both trees scheduled alike (a change of scheduling default is not a change of speed): whole prompts, 2,048
+# tokens a step, the scheduler both trees had before chunked prefill became the default.
+SAME_SCHEDULE_ENGINE = '{"enable_chunked_prefill": false, "max_num_batched_tokens": 2048}'
+SAME_SCHEDULE_SERVER = "--no-enable-chunked-prefill --max-num-batched-tokens 2048"
 
 
 def main(argv=None) -> int:
@@ -90,6 +93,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--parts", default="decode,engine,server")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--engine-args", default=SAME_SCHEDULE_ENGINE, help="EngineArgs fields (JSON) for both trees")
+    ap.add_argument("--minfer-args", default=SAME_SCHEDULE_SERVER, help="server flags for both trees")
     args = ap.parse_args(argv)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     log_dir = tempfile.mkdtemp(prefix="ab-trees-")
@@ -99,7 +104,12 @@ def main(argv=None) -> int:
         for part in parts:
             for which, tree in trees.items():
                 l0, t0 = _load(), time.time()
-                r = PARTS[part](tree) if part != "server" else run_server(tree, log_dir)
+                if part == "decode":
+                    r = run_decode(tree)
+                elif part == "engine":
+                    r = run_engine(tree, args.engine_args)
+                else:
+                    r = run_server(tree, log_dir, args.minfer_args)
                 r.update(load_average_1min=[l0, _load()], wall_s=round(time.time() - t0, 1), round=rnd)
                 runs[part][which].append(r)
                 print(part, which, json.dumps(r), flush=True)
@@ -115,6 +125,8 @@ def main(argv=None) -> int:
         print(f"{k:32s} before {v['before']:10.2f}  after {v['after']:10.2f}  after/before {v['after_over_before']:.3f}")
     if args.json:
         res = {"what": "the same benchmarks on two checkouts, alternated in one run (benchmarks/ab_trees.py)",
+               "command": " ".join(["python", "benchmarks/ab_trees.py", *(argv if argv is not None else sys.argv[1:])]),
+               "engine_args": args.engine_args, "minfer_args": args.minfer_args,
                "trees": {k: str(v) for k, v in trees.items()}, "rounds": args.rounds, "runs": runs,
                "medians": ratios, "cpu": _cpu_name(), "cores": os.cpu_count()}
         Path(args.json).write_text(json.dumps(res, indent=2))
