@@ -160,6 +160,17 @@ class LLMEngine:
         if args.swap_space * (1 << 30) > ram:
             raise ValueError(f"swap_space={args.swap_space} GiB is more than this machine's memory "
                              f"({ram / (1 << 30):.1f} GiB); lower swap_space")
+        model = getattr(worker, "model", None)
+        if self.device.type == "cpu" and model is not None:
+            # The weights, the pool and its swap space share one memory: all must fit before the pool is taken.
+            weights = sum({t.data_ptr(): t.numel() * t.element_size() for t in model.state_dict().values()}.values())
+            pool, swap = num_blocks * per_block, num_cpu_blocks * per_block
+            if weights + pool + swap > ram:
+                gib = 1 << 30
+                raise ValueError(f"the weights ({weights / gib:.2f} GiB), the KV pool ({pool / gib:.2f} GiB) and the "
+                                 f"swap space ({swap / gib:.2f} GiB) need {(weights + pool + swap) / gib:.2f} GiB, "
+                                 f"more than this machine's {ram / gib:.1f} GiB: lower kv_cache_memory_bytes or "
+                                 "swap_space, or quantize the weights")
         self.executor.init_kv_cache(num_blocks, num_cpu_blocks)
         if layout is None:
             self.block_manager = BlockManager(num_blocks, args.block_size, num_cpu_blocks, args.enable_prefix_caching)

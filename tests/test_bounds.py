@@ -26,6 +26,7 @@ from minfer.sequence import Sequence
 from minfer.serve.connection import uvicorn_options
 from minfer.serve.limits import ServerLimits, request_memory_bound
 from minfer.serve.routes import build_app
+from tests.conftest import SHARED
 from tests.fake_engine import FakeEngine, FakeTokenizer
 from tests.serving import server_in_thread
 from tests.test_serve_admission import _read_response, rss_growth
@@ -339,3 +340,19 @@ def test_one_request_stays_under_its_stated_bound():
             assert r.status_code in (200, 400), r.text[:300]
             assert rss["mb"] < bound_mb, f"memory +{rss['mb']:.0f} MB over the stated {bound_mb:.0f} MB"
         _ok(url)
+
+
+@pytest.mark.skipif(not (SHARED / "models" / "stories260K" / "stories260K.bin").is_file(),
+                    reason="needs ../shared/models/stories260K")
+def test_weights_pool_and_swap_are_checked_together_against_memory(tmp_path, monkeypatch):
+    """Each fits alone, all three do not: the engine refuses before it allocates the pool, naming the parts."""
+    import minfer.engine
+    from minfer import LLM
+    from minfer.model.llama2c import llama2c_to_hf
+
+    stories = SHARED / "models" / "stories260K"
+    path = llama2c_to_hf(stories / "stories260K.bin", tmp_path / "stories", stories / "tok512.model")
+    pool = 1 << 20
+    monkeypatch.setattr(minfer.engine, "physical_memory_bytes", lambda: pool + 1024)  # the weights do not fit too
+    with pytest.raises(ValueError, match=r"the weights \(.*\), the KV pool \(.*\) and the swap space"):
+        LLM(model=str(path), kv_cache_memory_bytes=pool, max_model_len=256, kernels="reference")
