@@ -427,36 +427,6 @@ class EngineArgs:
 
 
 
-def default_device() -> "torch.device":
-    """The device a model goes to when none is named (the loader's default, and every notebook's `DEVICE`).
-
-    In order: a rank of a tensor/pipeline-parallel job, the device `init_parallel` gave it (gloo ranks run on
-    the CPU even where a GPU is visible); env `MINFER_DEVICE` ("cpu", "cuda", "cuda:N"), so a notebook or a
-    test can be pinned; otherwise "cuda" when torch sees a GPU, else "cpu".
-
-    Raises:
-        ValueError: `MINFER_DEVICE` is not a device name, or names CUDA where torch finds none.
-    """
-    import os
-
-    import torch
-
-    from minfer.parallel.parallel_state import get_parallel_state
-
-    st = get_parallel_state()
-    if st.world_size > 1:
-        return st.device
-    env = os.environ.get("MINFER_DEVICE")
-    if env:
-        try:
-            dev = torch.device(env)
-        except RuntimeError as e:
-            raise ValueError(f"MINFER_DEVICE={env!r} is not a device name ('cpu', 'cuda', 'cuda:N')") from e
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"MINFER_DEVICE={env!r}, but this torch finds no CUDA device")
-        return dev
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
 PARALLEL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 

@@ -20,7 +20,7 @@ import torch
 import minfer.parallel.parallel_state as ps
 import minfer.parallel.timeline as timeline
 from minfer.attention.selector import resolve_backend_name
-from minfer.config import default_device
+from minfer.platform import default_device
 from minfer.parallel.parallel_state import ParallelState, init_parallel, place_rank, set_parallel_state
 
 

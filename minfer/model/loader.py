@@ -17,12 +17,12 @@ from typing import Iterable, Iterator
 import torch
 from tqdm.auto import tqdm
 
-from minfer.config import DEFAULT_MODEL, MODEL_DTYPES, ModelConfig, default_device, torch_dtype
+from minfer.config import DEFAULT_MODEL, MODEL_DTYPES, ModelConfig, torch_dtype
 from minfer.memory import physical_memory_bytes
 from minfer.model.gguf import load_gguf, load_gguf_blocks
 from minfer.model.layers import BuildOptions, process_weights_after_loading
 from minfer.model.linear_method import LinearMethodBase, default_weight_loader
-from minfer.platform import get_platform
+from minfer.platform import default_device, get_platform
 from minfer.model.registry import config_from_hf, model_class
 from minfer.model.sources import ModelSource, resolve_model
 from minfer.quantization import get_quantization_method
