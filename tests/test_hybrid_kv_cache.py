@@ -47,7 +47,8 @@ def test_gemma3_layout_groups_of_three():
 def test_no_layout_unless_local_and_global_mix():
     assert hybrid_layout(_cfg([None, None])) is None
     assert hybrid_layout(_cfg([7, 7])) is None  # all local: freed per sequence by BlockManager
-    assert hybrid_layout(_cfg([])) is None
+    with pytest.raises(ValueError, match="num_hidden_layers"):  # no layers is no model (ModelConfig's bounds)
+        _cfg([])
     small = hybrid_layout(_cfg([8, 8, None]))
     assert small.group_size == 1 and [g.layers for g in small.groups] == [(2,), (0,), (1,)]
 
