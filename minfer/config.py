@@ -341,6 +341,9 @@ class EngineArgs:
                 raise bad(name, "an integer")
         if not 0 <= self.seed < 2 ** 63:
             raise bad("seed", "an integer in [0, 2**63)")
+        for name in ("enforce_eager", "enable_chunked_prefill", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "True or False")
         for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool)):

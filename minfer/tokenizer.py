@@ -75,7 +75,12 @@ class Tokenizer:
 _RESERVED_TEMPLATE_NAMES = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
                                       "continue_final_message", "tokenize", "chat_template", "return_dict",
                                       "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs",
-                                      "sanitize_control_tokens", "return_assistant_tokens_mask"})
+                                      "sanitize_control_tokens", "return_assistant_tokens_mask",
+                                      # what the template's environment already defines (the tokenizer's special
+                                      # tokens, Jinja's globals and the renderer's helpers)
+                                      "bos_token", "eos_token", "unk_token", "pad_token", "raise_exception",
+                                      "strftime_now", "tokenizer", "loop", "range", "namespace", "dict", "lipsum",
+                                      "cycler", "joiner"})
 
 
 def check_chat_template_kwargs(kwargs) -> dict:
@@ -85,7 +90,7 @@ def check_chat_template_kwargs(kwargs) -> dict:
         return {}
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
         raise ValueError(f"chat_template_kwargs must be an object of template variables, got {kwargs!r:.100}")
-    clash = sorted(set(kwargs) & _RESERVED_TEMPLATE_NAMES)
+    clash = sorted(k for k in kwargs if k in _RESERVED_TEMPLATE_NAMES or k.startswith("__"))
     if clash:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}: the request's own fields do")
     return dict(kwargs)
