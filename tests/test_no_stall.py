@@ -243,9 +243,10 @@ class _SlowGrammarEngine:
 
         self.requests, self.added, self.discarded = {}, [], []
         self.structured_output = self
+        self.structured_hook = self  # the engine's StructuredOutputHook: get_manager() gives the manager
         self.compiled = threading.Event()
 
-    def _structured(self):
+    def get_manager(self):
         return self
 
     def precompile(self, guided):

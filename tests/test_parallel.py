@@ -175,7 +175,7 @@ def _cfg(**kw):
 
 @pytest.mark.parametrize("tp, pp, cfg, needle", [
     (2, 1, {}, "does not divide the model's 9 attention heads"),
-    (4, 1, dict(num_attention_heads=8, num_key_value_heads=3), "KV heads"),
+    (4, 1, dict(num_attention_heads=8, num_key_value_heads=3), "KV heads|num_key_value_heads"),
     (3, 1, dict(intermediate_size=1000), "intermediate_size"),
     (1, 31, {}, "larger than the model's 30 layers"),
     (2, 1, dict(architecture="GPT2LMHeadModel"), "built for"),
