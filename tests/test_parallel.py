@@ -21,6 +21,7 @@ Every multi-process test is bounded (the executor's own waits, and pytest-timeou
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 
 import pytest
@@ -471,6 +472,34 @@ def test_server_with_a_dead_worker_fails_requests_and_reports_unhealthy(rand_mod
 
     args = [rand_model, *parallel, "--attention-backend", "torch", "--max-model-len", "512",
             "--kv-cache-memory-bytes", "4M", *([] if engine_process else ["--no-engine-process"])]
+    if engine_process:
+        # The engine process dies with its worker, and a server whose engine process died exits with status 3 for
+        # its supervisor to restart (chapter 15 §15.3b); the stream in flight still ends with an error event.
+        from minfer.serve.__main__ import ENGINE_DIED_EXIT_STATUS
+
+        from .serving import server_process
+
+        with server_process(args) as (proc, url, log):
+            body = dict(model=rand_model, prompt="w3 w4 w5", max_tokens=4, temperature=0)
+            assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+            stream = None
+            if when == "in_flight":
+                first = threading.Event()
+                stream = _stream_in_thread(url, dict(body, max_tokens=480, ignore_eos=True), first)
+                assert first.wait(60), "the stream sent nothing"
+            _kill_worker_1()
+            if stream is not None:
+                stream[0].join(60)
+                assert not stream[0].is_alive(), "the in-flight stream still runs after 60 s"
+                lines = stream[1]
+                assert lines[0] == "200" and lines[-1] == "data: [DONE]", lines[-3:]
+                assert any('"error"' in x for x in lines), lines[-3:]
+            try:
+                code = proc.wait(90)
+            except subprocess.TimeoutExpired:
+                pytest.fail("the server was still running 90 s after its worker died")
+            assert code == ENGINE_DIED_EXIT_STATUS, (code, open(log).read()[-2000:])
+        return
     with running_server(args, check_log=False) as url:
         body = dict(model=rand_model, prompt="w3 w4 w5", max_tokens=4, temperature=0)
         assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200

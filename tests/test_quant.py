@@ -159,9 +159,9 @@ def test_get_method_names():
 def test_int8_torch_kernel_is_weight_only_w8a16():
     """{"kernel": "torch"}: no integer GEMM, so the activations are not rounded to int8 (W8A16: bfloat16 in and
     out of a product over the int8 weights); the default packs for the integer GEMM where it builds (W8A8)."""
-    fb = UnquantizedLinearMethod()
-    m = get_quantization_method("int8", {"kernel": "torch"}, fb)
-    assert m.cpu_kernel is False and get_quantization_method("int8", None, fb).cpu_kernel is True
+    fb, kernels = UnquantizedLinearMethod(), object()  # `kernels`: what the platform hands over (CpuQuantKernels)
+    m = get_quantization_method("int8", {"kernel": "torch"}, fb, cpu_kernel=kernels)
+    assert m.cpu_kernel is None and get_quantization_method("int8", None, fb, cpu_kernel=kernels).cpu_kernel is kernels
     layer, w = make_linear(m, 80, 320)
     assert layer.qg_format is None
     x = torch.randn(9, 320, generator=torch.Generator().manual_seed(0))
