@@ -27,20 +27,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextlib.contextmanager
-def running_server(args: list[str], fake_engine_args: list[str] | None = None, timeout: float = 180,
-                   check_log: bool = True):
-    """Yield the base URL of a healthy server started with `args`; stop it afterwards.
-
-    With MINFER_TEST_FAKE_ENGINE set, `tests/fake_engine.py` runs instead (server development without a
-    model). `check_log` fails the test if the server logged a traceback.
-    """
-    port = free_port()
+def _start_healthy(cmd: list[str], port: int, timeout: float):
+    """Start `cmd` (a server on `port`, this checkout first on PYTHONPATH, output to a log file) and wait until
+    /health answers 200. Returns (proc, url, log path); fails the test (killing the server) if it exits or is
+    not healthy within `timeout` seconds."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    if os.environ.get("MINFER_TEST_FAKE_ENGINE"):
-        cmd = [sys.executable, str(ROOT / "tests" / "fake_engine.py"), str(port), *(fake_engine_args or [])]
-    else:
-        cmd = [sys.executable, "-m", "minfer.serve", "--host", "127.0.0.1", "--port", str(port), *args]
     log = tempfile.NamedTemporaryFile(prefix="minfer-serve-test-", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -50,13 +41,29 @@ def running_server(args: list[str], fake_engine_args: list[str] | None = None, t
             pytest.fail(f"server exited with {proc.returncode}:\n{Path(log.name).read_text()[-4000:]}")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
+                return proc, url, log.name
         except httpx.HTTPError:
             pass
         if time.time() > deadline:
             proc.kill()
             pytest.fail(f"server not healthy after {timeout} s:\n{Path(log.name).read_text()[-4000:]}")
         time.sleep(0.25)
+
+
+@contextlib.contextmanager
+def running_server(args: list[str], fake_engine_args: list[str] | None = None, timeout: float = 180,
+                   check_log: bool = True):
+    """Yield the base URL of a healthy server started with `args`; stop it afterwards.
+
+    With MINFER_TEST_FAKE_ENGINE set, `tests/fake_engine.py` runs instead (server development without a
+    model). `check_log` fails the test if the server logged a traceback.
+    """
+    port = free_port()
+    if os.environ.get("MINFER_TEST_FAKE_ENGINE"):
+        cmd = [sys.executable, str(ROOT / "tests" / "fake_engine.py"), str(port), *(fake_engine_args or [])]
+    else:
+        cmd = [sys.executable, "-m", "minfer.serve", "--host", "127.0.0.1", "--port", str(port), *args]
+    proc, url, log = _start_healthy(cmd, port, timeout)
     try:
         yield url
     finally:
@@ -66,8 +73,8 @@ def running_server(args: list[str], fake_engine_args: list[str] | None = None, t
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    text = Path(log.name).read_text()
-    os.unlink(log.name)
+    text = Path(log).read_text()
+    os.unlink(log)
     if check_log:
         assert "Traceback" not in text, text[-4000:]
 
@@ -77,30 +84,15 @@ def server_process(args: list[str], timeout: float = 300):
     """Yield `(proc, url, log_path)` of `python -m minfer.serve ARGS` once /health answers 200, for tests that
     kill or stop its processes and read its exit status; the server is killed afterwards if still running."""
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    log = tempfile.NamedTemporaryFile(prefix="minfer-serve-test-", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, "-m", "minfer.serve", "--host", "127.0.0.1", "--port", str(port),
-                             *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    proc, url, log = _start_healthy([sys.executable, "-m", "minfer.serve", "--host", "127.0.0.1", "--port", str(port),
+                                     *args], port, timeout)
     try:
-        deadline = time.time() + timeout
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{Path(log.name).read_text()[-4000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                pytest.fail(f"server not healthy after {timeout} s:\n{Path(log.name).read_text()[-4000:]}")
-            time.sleep(0.25)
-        yield proc, url, log.name
+        yield proc, url, log
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        os.unlink(log.name)
+        os.unlink(log)
 
 
 @contextlib.contextmanager
