@@ -21,6 +21,7 @@ A tiny random Llama with a word-level tokenizer (as in tests/test_spec_decode.py
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 import time
 
@@ -357,6 +358,40 @@ def test_beam_search_with_a_dead_worker_is_a_503(tmp_path, engine_process):
     model = save_random_llama(tmp_path / "llama", layers=4, heads=8, kv_heads=2)
     args = [model, "--tensor-parallel-size", "2", "--attention-backend", "torch", "--max-model-len", "512",
             "--kv-cache-memory-bytes", "4M", *([] if engine_process else ["--no-engine-process"])]
+    if engine_process:
+        # The engine process dies with its worker and the server exits with status 3 for its supervisor (chapter
+        # 15 §15.3b); the beam search in flight is answered with a 503 if the answer gets out before the exit.
+        from minfer.serve.__main__ import ENGINE_DIED_EXIT_STATUS
+
+        from .serving import server_process
+
+        with server_process(args) as (proc, url, log):
+            body = dict(model=model, prompt="w3 w4 w5", max_tokens=4, use_beam_search=True, n=2)
+            assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+            answer: list = []
+
+            def search():
+                try:
+                    answer.append(httpx.post(url + "/v1/completions", timeout=120,
+                                             json=dict(body, max_tokens=480, ignore_eos=True)))
+                except httpx.HTTPError as e:  # the server exited before it answered
+                    answer.append(e)
+
+            t = threading.Thread(target=search, daemon=True)
+            t.start()
+            time.sleep(1.5)
+            assert t.is_alive(), "the beam search ended before the worker was killed"
+            _kill_worker_1()
+            t.join(90)
+            assert not t.is_alive(), "the beam search still runs 90 s after the worker died"
+            if isinstance(answer[0], httpx.Response):
+                assert answer[0].status_code == 503, (answer[0].status_code, answer[0].text)
+            try:
+                code = proc.wait(90)
+            except subprocess.TimeoutExpired:
+                pytest.fail("the server was still running 90 s after its worker died")
+            assert code == ENGINE_DIED_EXIT_STATUS, (code, open(log).read()[-2000:])
+        return
     with running_server(args, check_log=False) as url:
         body = dict(model=model, prompt="w3 w4 w5", max_tokens=4, use_beam_search=True, n=2)
         assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
