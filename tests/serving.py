@@ -137,3 +137,15 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict) -> 
                 else:
                     text += chunk["choices"][0]["text"]
     return text, errors
+
+
+def assert_exits_engine_died(proc: subprocess.Popen, log: str, timeout: float = 90) -> None:
+    """The server `proc` exits within `timeout` s with the status of a dead engine (3: its supervisor restarts
+    it, chapter 15 §15.3b); the test fails with the end of its log otherwise."""
+    from minfer.serve.__main__ import ENGINE_DIED_EXIT_STATUS
+
+    try:
+        code = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the server was still running {timeout:g} s after its engine died")
+    assert code == ENGINE_DIED_EXIT_STATUS, (code, Path(log).read_text()[-2000:])

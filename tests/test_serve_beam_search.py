@@ -21,7 +21,6 @@ A tiny random Llama with a word-level tokenizer (as in tests/test_spec_decode.py
 from __future__ import annotations
 
 import json
-import subprocess
 import threading
 import time
 
@@ -361,9 +360,7 @@ def test_beam_search_with_a_dead_worker_is_a_503(tmp_path, engine_process):
     if engine_process:
         # The engine process dies with its worker and the server exits with status 3 for its supervisor (chapter
         # 15 §15.3b); the beam search in flight is answered with a 503 if the answer gets out before the exit.
-        from minfer.serve.__main__ import ENGINE_DIED_EXIT_STATUS
-
-        from .serving import server_process
+        from .serving import assert_exits_engine_died, server_process
 
         with server_process(args) as (proc, url, log):
             body = dict(model=model, prompt="w3 w4 w5", max_tokens=4, use_beam_search=True, n=2)
@@ -386,11 +383,7 @@ def test_beam_search_with_a_dead_worker_is_a_503(tmp_path, engine_process):
             assert not t.is_alive(), "the beam search still runs 90 s after the worker died"
             if isinstance(answer[0], httpx.Response):
                 assert answer[0].status_code == 503, (answer[0].status_code, answer[0].text)
-            try:
-                code = proc.wait(90)
-            except subprocess.TimeoutExpired:
-                pytest.fail("the server was still running 90 s after its worker died")
-            assert code == ENGINE_DIED_EXIT_STATUS, (code, open(log).read()[-2000:])
+            assert_exits_engine_died(proc, log)
         return
     with running_server(args, check_log=False) as url:
         body = dict(model=model, prompt="w3 w4 w5", max_tokens=4, use_beam_search=True, n=2)
