@@ -289,7 +289,9 @@ class CpuDecodeStep:
         return None if plan is None else cls(inner, plan)
 
     def run(self, input_ids: torch.Tensor | None, ctx) -> torch.Tensor | None:
-        if input_ids is None or input_ids.shape[0] > self.plan.max_rows or torch.is_grad_enabled():
+        # A step with prefill rows is never one call: say so before embedding, which the model would do again.
+        if (input_ids is None or input_ids.shape[0] > self.plan.max_rows or ctx.num_prefills
+                or torch.is_grad_enabled()):
             return None
         lm = self.model
         x = lm.embed(input_ids)
