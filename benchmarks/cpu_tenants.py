@@ -17,9 +17,9 @@ before and after. A benchmark, never a test dependency. The model is the default
   cores, the OS spreads them); (ii) one per core, 1 thread each (`taskset -c 0` / `taskset -c 1`).
 - **c**: two tenants through `python -m minfer.serve`: a batch tenant (`--batch-concurrency` streams of long
   prompts and outputs, closed loop) and a latency tenant (one stream of short requests, one after the other).
-  (i) one server, default limits; (ii) one server with admission limits (`--max-num-seqs`,
-  `--max-num-batched-tokens`: the batch tenant's work per step is capped, so a short request is not stuck
-  behind a big step); (iii) two servers, one per tenant, each pinned to its own core (`taskset`, 1 thread).
+  (i) one server, default limits; (ii) one server with a smaller chunk budget (`--max-num-batched-tokens`:
+  a step carries fewer prefill tokens, so it is shorter), and with that budget plus `--max-num-seqs` (fewer
+  sequences run at once); (iii) two servers, one per tenant, each pinned to its own core (`taskset`, 1 thread).
   Reports the latency tenant's TTFT p50/p99 and TPOT, and the batch tenant's output tok/s.
 """
 
@@ -314,8 +314,8 @@ async def alone(url: str, args) -> dict:
 
 
 def part_c(args) -> dict:
-    limits = ["--max-num-seqs", str(args.limit_max_num_seqs), "--max-num-batched-tokens",
-              str(args.limit_max_num_batched_tokens)]
+    budget = ["--max-num-batched-tokens", str(args.limit_max_num_batched_tokens)]
+    limits = ["--max-num-seqs", str(args.limit_max_num_seqs)] + budget
     out = {}
 
     def warm(url):
@@ -329,7 +329,8 @@ def part_c(args) -> dict:
         out["alone_one_server"] = {"servers": [cmd], **asyncio.run(alone(url, args))}
     finally:
         stop_server(proc)
-    for name, extra in (("shared_server_default", []), ("shared_server_limits", limits)):
+    for name, extra in (("shared_server_default", []), ("shared_server_budget", budget),
+                        ("shared_server_limits", limits)):
         print(f"[c] {name}", file=sys.stderr, flush=True)
         proc, url, cmd = start_server(extra, None, None)
         try:
