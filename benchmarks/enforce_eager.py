@@ -41,6 +41,9 @@ import time
 
 import httpx
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # this checkout's minfer, in the offline children too
+
 MODEL = "smollm2-135m-instruct"
 VOCAB = 49152  # SmolLM2's vocabulary: prompts are random ids in [1000, VOCAB)
 MODES = {"default": [], "eager": ["--enforce-eager"], "reference": ["--kernels", "reference"]}
@@ -125,6 +128,30 @@ def offline_child(mode: str, short_len: int, long_len: int, repeats: int) -> Non
     print("RESULT " + json.dumps(res), flush=True)
 
 
+def paired_child(modes: list[str], long_len: int, rounds: int) -> None:
+    """In one process: an `LLM` per mode, side by side, and `rounds` rounds of a one-token generate of a
+    `long_len` prompt through each in turn (a fresh prompt per round, the same for every mode): a paired
+    comparison of the prefill time, each mode seeing the same machine load; print a JSON line."""
+    import random
+
+    from minfer import LLM, SamplingParams
+
+    kw = {"default": {}, "eager": {"enforce_eager": True}, "reference": {"kernels": "reference"}}
+    llms = {m: LLM(model=MODEL, max_model_len=1024, kv_cache_memory_bytes=64 << 20, **kw[m]) for m in modes}
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    rng = random.Random(1)
+    times = {m: [] for m in modes}
+    for m in modes:  # warm-up
+        llms[m].generate([{"prompt_token_ids": [rng.randrange(1000, VOCAB) for _ in range(long_len)]}], one)
+    for _ in range(rounds):
+        ids = [rng.randrange(1000, VOCAB) for _ in range(long_len)]
+        for m in modes:
+            t = time.perf_counter()
+            llms[m].generate([{"prompt_token_ids": ids}], one)
+            times[m].append(time.perf_counter() - t)
+    print("RESULT " + json.dumps({"prompt_tokens": long_len, "rounds": rounds, "first_token_s": times}), flush=True)
+
+
 def offline(mode: str, args: argparse.Namespace) -> dict:
     env = dict(os.environ, ENFORCE_EAGER_T0=repr(time.time()))
     p = subprocess.run([sys.executable, __file__, "--offline-child", mode, "--short-len", str(args.short_len),
@@ -168,9 +195,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-len", type=int, default=500)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--no-offline", action="store_true")
+    p.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
+                   help="also time the long prompt's first token offline, the modes' LLMs side by side in one "
+                        "process, alternating, for ROUNDS rounds (a paired comparison)")
     p.add_argument("--offline-child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--paired-child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if args.paired_child:
+        paired_child(args.paired_child.split(","), args.long_len, args.requests)
+        return 0
     if args.offline_child:
         offline_child(args.offline_child, args.short_len, args.long_len, args.requests)
         return 0
@@ -197,16 +231,30 @@ def main(argv: list[str] | None = None) -> int:
             print(f"offline {mode}: ready {o['llm_ready_s']:.2f} s, first token short "
                   f"{1000 * med(o['short_first_token_s']):.0f} ms long {1000 * med(o['long_first_token_s']):.0f} ms",
                   flush=True)
+    paired = None
+    if args.paired:
+        p2 = subprocess.run([sys.executable, __file__, "--paired-child", ",".join(modes), "--long-len",
+                             str(args.long_len), "--requests", str(args.paired)], capture_output=True, text=True,
+                            timeout=1800)
+        line = next((ln for ln in p2.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if line is None:
+            raise RuntimeError(f"paired run failed:\n{p2.stderr[-3000:]}")
+        paired = json.loads(line[7:])
+        paired["p50_ms"] = {m: 1000 * med(v) for m, v in paired["first_token_s"].items()}
+        base = paired["first_token_s"][modes[0]]
+        paired["median_ratio_vs_" + modes[0]] = {m: med([a / b for a, b in zip(v, base)])
+                                                 for m, v in paired["first_token_s"].items()}
+        print("paired:", json.dumps({k: paired[k] for k in paired if k != "first_token_s"}), flush=True)
     result = {
         "command": "flock /tmp/minfer-bench.lock python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:])),
-        "model": MODEL, "config": {k: v for k, v in vars(args).items() if k != "offline_child"},
+        "model": MODEL, "config": {k: v for k, v in vars(args).items() if not k.endswith("_child")},
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "torch": __import__("torch").__version__},
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "wall_s": time.perf_counter() - t_all,
         "load_average": {"before": load_before, "after": os.getloadavg()},
         "summary": summarize(runs, offline_runs),
-        "runs": runs, "offline": offline_runs,
+        "runs": runs, "offline": offline_runs, "paired_offline": paired,
     }
     print(json.dumps(result["summary"], indent=1))
     if args.json:
