@@ -113,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--enforce-eager", action=argparse.BooleanOptionalAction, default=d["enforce_eager"],
       help="run every step through the PyTorch model, op by op (vLLM's flag). On a CPU: decode without the "
            "one-call C++ decode step (minfer/cpu/decode_step.py); prefill, kernels and sampler unchanged. On CUDA: "
-           "no CUDA-graph capture at start-up and no replay. Measured on a CPU in chapter 15 §15.8: it does not "
-           f"lower TTFT there (default: {d['enforce_eager']})")
+           "no CUDA-graph capture at start-up and no replay. Measured on a CPU (chapter 15 §15.8): no shorter "
+           f"start-up, a slower decode (default: {d['enforce_eager']})")
     a("--kernels", choices=list(KERNELS), default=d["kernels"],
       help="auto: the fastest kernels this device has (on a CPU the minfer/cpu/ wing); reference: the path the "
            "chapters teach, plain PyTorch model code, torch attention and sampler, no C++ "
