@@ -1,16 +1,20 @@
 """The fused CPU sampler (minfer/cpu/sampler.py) against the torch path (minfer/sampling.py), chapter 7
 §7.4 ("Fused sampling on the device").
 
-    python benchmarks/fused_sampler_cpu.py            # a few minutes on 2 shared cores
+    python benchmarks/fused_sampler_cpu.py            # about 3 minutes on 2 idle cores; run it under
+                                                      # flock /tmp/minfer-bench.lock
 
 Part 1, the sampler alone: the time of one sampling step (`Sampler.__call__` vs `CpuFusedSampler.__call__`)
 for batch sizes 1..64 over SmolLM2's vocabulary (49,152), per preset (temperature only; top-k 50; top-p 0.9;
 top-k 40 + top-p 0.95 + min-p 0.05), on random logits of the real scale. The two samplers run in turn, a
 median over repeats, so both see the same machine load.
+Part 1b, what k and p cost: at batch 8 (and 1 and 64 for top-p 0.3 / 0.95), both samplers on the settings of
+notebook 07 §1 (greedy, temperature, top-k 5 / 200, top-p 0.3 / 0.95, both small, min-p, penalties): the
+article's claim that a small top-k / top-p makes sampling faster, answered for each path.
 Part 2, a whole decode: `LLM.generate` on the default model with B sampled requests, once with each sampler
 (swapped in the worker), timing the sampler's calls inside the run: its share of the run's time.
 Writes assets/benchmarks/fused_sampler_cpu.json with the load average before and after. The machine is shared
-with other jobs: compare the two samplers within a row, not rows across runs.
+with other jobs: the load average says how quiet the run was; compare the two samplers within a row.
 """
 
 from __future__ import annotations
@@ -40,6 +44,18 @@ PRESETS = {
     "top_k 50": dict(temperature=0.8, top_k=50),
     "top_p 0.9": dict(temperature=0.8, top_p=0.9),
     "top_k 40 + top_p 0.95 + min_p 0.05": dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),
+}
+# notebook 07 §1's settings (temperature 0.8 unless greedy)
+SETTINGS = {
+    "greedy": dict(temperature=0.0),
+    "temperature only": dict(temperature=0.8),
+    "top_k=5": dict(temperature=0.8, top_k=5),
+    "top_k=200": dict(temperature=0.8, top_k=200),
+    "top_p=0.3": dict(temperature=0.8, top_p=0.3),
+    "top_p=0.95": dict(temperature=0.8, top_p=0.95),
+    "top_k=5, top_p=0.3": dict(temperature=0.8, top_k=5, top_p=0.3),
+    "min_p=0.1": dict(temperature=0.8, min_p=0.1),
+    "+ penalties": dict(temperature=0.8, top_p=0.95, repetition_penalty=1.2, presence_penalty=0.5),
 }
 
 
@@ -111,9 +127,10 @@ def main() -> None:
     load_before = os.getloadavg()
     result = {"what": "one sampling step (ms), torch path vs fused C++ sampler, vocab 49152; and the sampler's "
                       "share of LLM.generate on the default model (SmolLM2-135M Q4_1)",
+              "command": "flock /tmp/minfer-bench.lock python " + " ".join(sys.argv),
               "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                         f"torch {torch.__version__}, {torch.get_num_threads()} threads; SHARED with other jobs: "
-                         "compare the two samplers within a row",
+                         f"torch {torch.__version__}, {torch.get_num_threads()} threads; the load average says "
+                         "how quiet it was; compare the two samplers within a row",
               "gpu": "none lent: the Triton fused sampler (minfer/kernels/sampler.py) was not measured",
               "load_average_before": [round(x, 2) for x in load_before], "sampler_step": {}, "decode": []}
     for name, params in PRESETS.items():
@@ -122,6 +139,13 @@ def main() -> None:
         for r in rows:
             print(f"{name:38s} B={r['batch']:3d} torch {r['torch_ms']:9.3f} ms  fused {r['fused_ms']:8.3f} ms  "
                   f"x{r['speedup']}", flush=True)
+    result["settings_step"] = {}
+    for name, params in SETTINGS.items():
+        batches = [1, 8, 64] if name in ("top_p=0.3", "top_p=0.95") else [8]
+        rows = [sampler_step_ms(b, params, args.repeats) for b in batches]
+        result["settings_step"][name] = rows
+        for r in rows:
+            print(f"{name:38s} B={r['batch']:3d} torch {r['torch_ms']:9.3f} ms  fused {r['fused_ms']:8.3f} ms", flush=True)
     decode_params = PRESETS["top_k 40 + top_p 0.95 + min_p 0.05"]
     result["decode_params"] = decode_params
     for b in args.decode_batches.split(","):

@@ -173,3 +173,35 @@ def test_serve_help_marks_the_articles_spellings_that_vllm_refuses():
         if not row["vllm"]["accepted"]:
             help_text = re.sub(r"\s+", " ", parser._option_string_actions[row["flag"]].help)
             assert "article" in help_text and "vLLM" in help_text, (row["flag"], help_text)
+
+
+EAGER_ROWS = {"default": "default", "`--enforce-eager`": "eager", "`--kernels reference`": "reference"}
+EAGER_COLUMNS = [("startup_health_s", 1), ("startup_first_completion_s", 1), ("short_ttft_p50_ms", 0),
+                 ("long_ttft_p50_ms", 0), ("short_tpot_p50_ms", 1)]
+
+
+def test_chapter_15s_enforce_eager_table_is_its_json():
+    """Chapter 15 §15.8's table (start-up, TTFT, TPOT with and without `--enforce-eager`) shows, row by row, the
+    medians of `assets/benchmarks/enforce_eager_cpu.json` (benchmarks/enforce_eager.py), rounded as printed, and
+    that run was timed under the benchmark lock with its load average recorded."""
+    data = json.loads((ROOT / "assets/benchmarks/enforce_eager_cpu.json").read_text())
+    assert data["command"].startswith("flock /tmp/minfer-bench.lock") and len(data["load_average"]["before"]) == 3
+    section = (ROOT / "chapters/15-operations.md").read_text().split("## 15.8 ", 1)[1].split("\n## ", 1)[0]
+    seen = set()
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("| ") or cells[0] not in EAGER_ROWS:
+            continue
+        mode = EAGER_ROWS[cells[0]]
+        numbers = [float(re.sub(r"[^\d.]", "", c)) for c in cells[1:1 + len(EAGER_COLUMNS)]]
+        want = [round(data["summary"][mode][key], digits) for key, digits in EAGER_COLUMNS]
+        assert numbers == want, f"§15.8's {cells[0]} row {numbers} != the JSON's {want}"
+        seen.add(mode)
+    assert seen == set(EAGER_ROWS.values()), f"§15.8's table lacks rows for {set(EAGER_ROWS.values()) - seen}"
+
+
+def test_enforce_eager_help_says_what_it_does_on_cpu_and_gpu():
+    from minfer.serve.__main__ import build_parser
+
+    help_text = re.sub(r"\s+", " ", build_parser()._option_string_actions["--enforce-eager"].help)
+    assert "CPU" in help_text and "CUDA" in help_text and "decode step" in help_text and "graph" in help_text

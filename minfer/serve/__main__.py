@@ -111,8 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--preemption-mode", choices=["recompute", "swap"], default=d["preemption_mode"],
       help="what to do with a preempted sequence's KV (default: recompute, or swap if --swap-space > 0)")
     a("--enforce-eager", action=argparse.BooleanOptionalAction, default=d["enforce_eager"],
-      help="every step through the model, op by op: no step runner (no one-call CPU decode, no CUDA graphs) "
-           f"(default: {d['enforce_eager']})")
+      help="run every step through the PyTorch model, op by op (vLLM's flag). On a CPU: decode without the "
+           "one-call C++ decode step (minfer/cpu/decode_step.py); prefill, kernels and sampler unchanged. On CUDA: "
+           "no CUDA-graph capture at start-up and no replay. Measured on a CPU (chapter 15 §15.8): no shorter "
+           f"start-up, a slower decode (default: {d['enforce_eager']})")
     a("--kernels", choices=list(KERNELS), default=d["kernels"],
       help="auto: the fastest kernels this device has (on a CPU the minfer/cpu/ wing); reference: the path the "
            "chapters teach, plain PyTorch model code, torch attention and sampler, no C++ "
