@@ -160,6 +160,35 @@ def test_every_figure_a_chapter_embeds_is_committed():
     assert not missing, f"embedded figures that do not exist: {missing}"
 
 
+# Chapter 15's figure comes with the change that rewrites its measurements (issue 30); drop this when it lands.
+NO_FIGURE_YET = {"15-operations.md"}
+
+
+def figures_saved_by_notebooks() -> set[str]:
+    """The file names under assets/figures/ that some notebook's code cell writes (`savefig(ROOT / ...)`)."""
+    saved = set()
+    for nb in (ROOT / "notebooks").glob("*.ipynb"):
+        for cell in json.loads(nb.read_text())["cells"]:
+            if cell["cell_type"] == "code":
+                saved |= set(re.findall(r"assets/figures/([\w.-]+\.png)", "".join(cell["source"])))
+    return saved
+
+
+@pytest.mark.parametrize("chapter", [
+    pytest.param(ch, id=ch.name, marks=[pytest.mark.xfail(reason="its figure is not merged yet", strict=False)]
+                 if ch.name in NO_FIGURE_YET else [])
+    for ch in sorted((ROOT / "chapters").glob("*.md"))])
+def test_every_chapter_embeds_a_figure_its_notebook_saves(chapter):
+    """A reader of the chapters alone (on the web, without Jupyter) sees at least one plot per chapter: the chapter
+    embeds `![...](../assets/figures/NAME.png)`, the file is committed, and a notebook's cell writes it, so the
+    figure is redrawn with the data whenever the notebook runs."""
+    saved = figures_saved_by_notebooks()
+    links = re.findall(r"!\[[^\]]*\]\(\.\./assets/figures/([^)]+)\)", chapter.read_text())
+    good = [name for name in links if name in saved and (ROOT / "assets/figures" / name).is_file()]
+    assert good, (f"{chapter.name} embeds no figure from assets/figures/ that a notebook saves "
+                  f"(embeds {links}; notebooks save {sorted(saved)})")
+
+
 def test_serve_help_marks_the_articles_spellings_that_vllm_refuses():
     """minfer accepts every flag of the article's command, and its --help says at each one vLLM's parser refused
     (`assets/benchmarks/vllm_flags.json`) that the spelling or value is the article's."""
