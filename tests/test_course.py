@@ -160,10 +160,6 @@ def test_every_figure_a_chapter_embeds_is_committed():
     assert not missing, f"embedded figures that do not exist: {missing}"
 
 
-# Chapter 15's figure comes with the change that rewrites its measurements (issue 30); drop this when it lands.
-NO_FIGURE_YET = {"15-operations.md"}
-
-
 def figures_saved_by_notebooks() -> set[str]:
     """The file names under assets/figures/ that some notebook's code cell writes (`savefig(ROOT / ...)`)."""
     saved = set()
@@ -174,10 +170,7 @@ def figures_saved_by_notebooks() -> set[str]:
     return saved
 
 
-@pytest.mark.parametrize("chapter", [
-    pytest.param(ch, id=ch.name, marks=[pytest.mark.xfail(reason="its figure is not merged yet", strict=False)]
-                 if ch.name in NO_FIGURE_YET else [])
-    for ch in sorted((ROOT / "chapters").glob("*.md"))])
+@pytest.mark.parametrize("chapter", sorted((ROOT / "chapters").glob("*.md")), ids=lambda ch: ch.name)
 def test_every_chapter_embeds_a_figure_its_notebook_saves(chapter):
     """A reader of the chapters alone (on the web, without Jupyter) sees at least one plot per chapter: the chapter
     embeds `![...](../assets/figures/NAME.png)`, the file is committed, and a notebook's cell writes it, so the
