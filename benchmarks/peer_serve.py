@@ -5,6 +5,9 @@
         [--concurrency 1,16,64] [--num-prompts N | --min-prompts 16 --prompts-per-stream 2] \\
         [--input-len 192] [--output-len 48] [--minfer-client] [--dry-run]
 
+The whole run takes ~40 min with --minfer-client at the defaults; `--lock-file /tmp/minfer-bench.lock` (instead
+of the outer flock) holds the lock one server start at a time (a few minutes each), letting other timings in.
+
 Six servers, each started in turn and stopped before the next one starts (one server on the machine at a time):
 
 - `minfer-f32` / `vllm-f32`: `python -m minfer.serve` and `vllm serve` on the same float32 HF directory
@@ -46,6 +49,8 @@ the plan and the summary with no server).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import platform
@@ -147,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--llama-args", default="--cache-ram 0", help="extra llama-server flags, one string")
     ap.add_argument("--minfer-args", default="", help="extra `python -m minfer.serve` flags, one string")
     ap.add_argument("--vllm-args", default="", help="extra `vllm serve` flags, one string")
+    ap.add_argument("--lock-file", default=None,
+                    help="take this flock around each server start (start-up and its runs) instead of around the "
+                         "whole run, so other timings can go in between (e.g. /tmp/minfer-bench.lock)")
     ap.add_argument("--log-dir", default=None, help="server logs (default: a new temporary folder)")
     ap.add_argument("--json", default=None, help="write the result here")
     ap.add_argument("--dry-run", action="store_true", help="print the plan (every command) and exit")
@@ -271,6 +279,20 @@ def stop_server(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+@contextlib.contextmanager
+def bench_lock(path: str | None):
+    """An exclusive flock on `path` for the duration (nothing when None): one timing on the machine at a time."""
+    if path is None:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def load_average() -> list[float]:
@@ -503,7 +525,9 @@ def main(argv=None) -> int:
     runs: dict = {s: {c: [] for c in args.concurrency} for s in args.servers}
     started = time.time()
     for rnd, server, slots, concs in plan:
-        for c, run in measure_start(args, rnd, server, slots, concs, log_dir).items():
+        with bench_lock(args.lock_file):
+            measured = measure_start(args, rnd, server, slots, concs, log_dir)
+        for c, run in measured.items():
             runs[server.name][c].append(run)
     summary = summarize(runs, expected)
     print_summary(summary)

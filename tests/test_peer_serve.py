@@ -160,3 +160,24 @@ def test_summarize_per_client():
     assert set(s) == {"client_vllm", "client_minfer"}
     assert s["client_minfer"]["medians"]["vllm-f32"][1]["output_throughput"] == 26
     assert s["client_vllm"]["token_check"]["ok"] and len(s["client_vllm"]["comparisons"]) == 4
+
+
+def test_bench_lock_is_held_inside_only(tmp_path):
+    import fcntl
+
+    path = tmp_path / "bench.lock"
+
+    def free() -> bool:
+        with open(path, "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            fcntl.flock(f, fcntl.LOCK_UN)
+            return True
+
+    with peer_serve.bench_lock(str(path)):
+        assert not free()
+    assert free()
+    with peer_serve.bench_lock(None):  # no lock file: nothing taken
+        pass
