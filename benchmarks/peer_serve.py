@@ -35,9 +35,14 @@ default): random prompts never hit it and this machine is shared.
 ignore_eos: llama-server's OpenAI `/v1/completions` copies every body field it does not translate into its own
 parameters (tools/server/server-common.cpp), so vllm bench's `"ignore_eos": true` reaches its native
 `ignore_eos` (a -inf logit bias on every end-of-generation token, tools/server/server-schema.cpp) and
-`"max_tokens"` is its `n_predict`; it reports `usage.completion_tokens` in the last streamed chunk, which is what
-vllm bench counts. Every run's `total_output_tokens` is checked against num_prompts x output_len, and all servers
-against each other at the same concurrency; a mismatch is printed and recorded under `token_check`.
+`"max_tokens"` is its `n_predict`. Token counts are checked twice per run: the client's `total_output_tokens`
+and the server's own counter (`/metrics`: minfer:generation_tokens_total, vllm:generation_tokens_total,
+llamacpp:tokens_predicted_total with `--metrics`, read before and after), each against num_prompts x output_len;
+mismatches are printed and recorded under `token_check`. llama-server's last streamed chunk carries `choices`
+and `usage` together, and vllm bench reads `usage` only from a chunk without choices, so it counts llama-server's
+tokens by re-tokenizing the text: where that count is off but the server's counter is exact, the run's
+throughput and TPOT are recomputed from vllm bench's own per-request timings with the server's count (`recount`;
+vllm bench's figures are kept beside them under `as_counted_by_vllm_bench`).
 
 Targets (issue 32): minfer/vLLM (float32) output throughput >= 1.2x at every concurrency with mean TTFT and
 mean TPOT no worse; minfer/llama-server >= 1.5x at concurrency 16 and 64, on each GGUF. The JSON holds per
@@ -210,7 +215,7 @@ def server_cmd(server: Server, args, port: int, slots: int) -> tuple[list[str], 
     if server.engine == "llama":
         return ([args.llama_server, "-m", model, "--host", "127.0.0.1", "--port", str(port), "--alias", NAME,
                  "-np", str(slots), "-c", str(slots * args.max_model_len), "-t", str(args.llama_threads),
-                 "-tb", str(args.llama_threads), "--cont-batching", *shlex.split(args.llama_args)],
+                 "-tb", str(args.llama_threads), "--cont-batching", "--metrics", *shlex.split(args.llama_args)],
                 dict(os.environ))
     common = ["--port", str(port), "--max-model-len", str(args.max_model_len), "--max-num-seqs",
               str(args.max_num_seqs), "--served-model-name", NAME]
@@ -230,7 +235,8 @@ def vllm_bench_cmd(args, url: str, concurrency: int, result_dir: str) -> list[st
             "--num-prompts", str(num_prompts(args, concurrency)), "--max-concurrency", str(concurrency),
             "--ignore-eos", "--temperature", str(args.temperature), "--seed", str(args.seed),
             "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "99",
-            "--save-result", "--result-dir", result_dir, "--result-filename", "result.json", "--disable-tqdm"]
+            "--ready-check-timeout-sec", "0", "--save-result", "--save-detailed", "--result-dir", result_dir,
+            "--result-filename", "result.json", "--disable-tqdm"]
 
 
 def starts(args) -> list[tuple[int, Server, int, list[int]]]:
@@ -300,7 +306,10 @@ def load_average() -> list[float]:
 
 
 def run_vllm_bench(args, url: str, concurrency: int) -> dict:
-    """One `vllm bench serve` run; its saved result reduced to METRICS (plus `error` when it failed)."""
+    """One `vllm bench serve` run; its saved result reduced to METRICS (plus `error` when it failed).
+
+    The per-request lists (`--save-detailed`) are kept under `_detail` for `recount`, and dropped before saving.
+    """
     out = tempfile.mkdtemp(prefix="peer-serve-")
     try:
         p = subprocess.run(vllm_bench_cmd(args, url, concurrency, out), env=vllm_env(), capture_output=True,
@@ -317,7 +326,64 @@ def run_vllm_bench(args, url: str, concurrency: int) -> dict:
     errors = [e for e in r.get("errors") or [] if e]
     if errors:
         res["errors"] = errors[:3]
+    res["_detail"] = {k: r.get(k) for k in ("ttfts", "latencies", "duration")}
     return res
+
+
+def percentile(values: list[float], q: float) -> float:
+    """numpy.percentile's default (linear interpolation), as vllm bench computes its p99s."""
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def recount(res: dict, tokens_per_request: int) -> dict:
+    """vllm bench's metrics again with every request's output count set to `tokens_per_request`.
+
+    For a server whose count vllm bench could not read: llama-server's last streamed `/v1/completions` chunk
+    carries `choices` and `usage` together, and vllm bench reads `usage` only from a chunk without choices, so it
+    re-tokenizes the generated text instead (which need not give back the ids generated). The caller checks the
+    server's own counter first. TTFT is unchanged; throughput and TPOT are computed as vllm bench does
+    (TPOT = (latency - TTFT) / (output tokens - 1), per request) from its own per-request timings.
+    """
+    d = res["_detail"]
+    n = len(d["latencies"])
+    tpots = [(lat - ttft) / (tokens_per_request - 1) * 1000 for lat, ttft in zip(d["latencies"], d["ttfts"])] \
+        if tokens_per_request > 1 else [0.0] * n
+    fixed = dict(res, total_output_tokens=n * tokens_per_request,
+                 output_throughput=n * tokens_per_request / d["duration"],
+                 mean_tpot_ms=sum(tpots) / n, p99_tpot_ms=percentile(tpots, 99),
+                 output_lens_min_max=[tokens_per_request, tokens_per_request])
+    fixed["as_counted_by_vllm_bench"] = {k: res[k] for k in ("total_output_tokens", "output_throughput",
+                                                             "mean_tpot_ms", "p99_tpot_ms", "output_lens_min_max")}
+    return fixed
+
+
+GENERATED_COUNTER = {"minfer": "minfer:generation_tokens_total", "vllm": "vllm:generation_tokens_total",
+                     "llama": "llamacpp:tokens_predicted_total"}
+
+
+def counter_value(metrics_text: str, name: str) -> float | None:
+    """The sum over labels of counter `name` in a Prometheus text exposition (None if absent)."""
+    total, seen = 0.0, False
+    for line in metrics_text.splitlines():
+        if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
+            total += float(line.rsplit(None, 1)[-1])
+            seen = True
+    return total if seen else None
+
+
+def server_generated(url: str, engine: str) -> float | None:
+    """Tokens the server says it generated so far (its /metrics counter), None if it cannot tell."""
+    import httpx
+
+    try:
+        r = httpx.get(url + "/metrics", timeout=10)
+        return counter_value(r.text, GENERATED_COUNTER[engine]) if r.status_code == 200 else None
+    except httpx.HTTPError:
+        return None
 
 
 def run_minfer_client(args, url: str, concurrency: int) -> dict:
@@ -363,9 +429,16 @@ def measure_start(args, rnd: int, server: Server, slots: int, concurrencies: lis
                 if args.minfer_client:
                     clients.append(("client_minfer", run_minfer_client))
                 for key, fn in clients:
-                    before = load_average()
+                    before, tokens_before = load_average(), server_generated(url, server.engine)
                     res = fn(args, url, c)
                     res["load_average_before_after"] = [before, load_average()]
+                    res["server_output_tokens"] = generated_since(url, server.engine, tokens_before,
+                                                                  num_prompts(args, c) * args.output_len)
+                    if (res.get("_detail") and res.get("total_output_tokens") is not None and not res.get("failed")
+                            and res["total_output_tokens"] != num_prompts(args, c) * args.output_len
+                            and res["server_output_tokens"] == num_prompts(args, c) * args.output_len):
+                        res = recount(res, args.output_len)
+                    res.pop("_detail", None)
                     run[key] = res
                     print(f"round {rnd} {server.name:12s} c={c:<3d} {key:13s} {fmt_run(res)}", flush=True)
                 out[c] = run
@@ -376,6 +449,19 @@ def measure_start(args, rnd: int, server: Server, slots: int, concurrencies: lis
         finally:
             stop_server(proc)
     return out
+
+
+def generated_since(url: str, engine: str, before: float | None, expected: int, wait_s: float = 3.0) -> int | None:
+    """Tokens generated since `before` by the server's counter; waits up to `wait_s` for it to reach `expected`
+    (a counter may be updated just after the last token was streamed)."""
+    if before is None:
+        return None
+    deadline = time.time() + wait_s
+    while True:
+        now = server_generated(url, engine)
+        if now is None or now - before >= expected or time.time() > deadline:
+            return None if now is None else int(now - before)
+        time.sleep(0.2)
 
 
 def fmt_run(res: dict) -> str:
@@ -431,26 +517,37 @@ def compare(med: dict, targets=TARGETS) -> list[dict]:
 
 
 def token_check(runs: dict, expected: dict, client: str = "client_vllm") -> dict:
-    """Every run generated num_prompts x output_len tokens, and all servers the same at each concurrency.
+    """Every run generated num_prompts x output_len tokens (so all servers the same at each concurrency), as the
+    client counted them and as the server's own /metrics counter did.
 
     Args:
         runs: {server: {concurrency: [run, ...]}} as `main` records them.
         expected: {concurrency: num_prompts x output_len}.
     Returns:
-        {"ok": bool, "expected": ..., "mismatches": [str, ...]} (one line per run that differs or failed).
+        {"ok": bool, "expected": ..., "mismatches": [str, ...], "recounted": [str, ...]}: one mismatch line per
+        run that failed or generated another count; one recounted line per run whose client count was replaced
+        by the server's (see `recount`), which is not a mismatch.
     """
-    bad = []
+    bad, recounted = [], []
     for server, by_c in runs.items():
         for c, rounds in by_c.items():
             for r in rounds:
-                res = r.get(client)
+                res, where = r.get(client), f"{server} c={c} round {r.get('round')}"
                 if not res or res.get("total_output_tokens") is None:
-                    bad.append(f"{server} c={c} round {r.get('round')}: no result ({r.get('error') or res})")
-                elif res["total_output_tokens"] != expected[c] or res.get("failed"):
-                    bad.append(f"{server} c={c} round {r.get('round')}: {res['total_output_tokens']} output tokens, "
-                               f"expected {expected[c]}; {res.get('failed') or 0} failed; "
-                               f"per request min/max {res.get('output_lens_min_max')}")
-    return {"client": client, "ok": not bad, "expected": expected, "mismatches": bad}
+                    bad.append(f"{where}: no result ({r.get('error') or res})")
+                    continue
+                if res["total_output_tokens"] != expected[c] or res.get("failed"):
+                    bad.append(f"{where}: {res['total_output_tokens']} output tokens, expected {expected[c]}; "
+                               f"{res.get('failed') or 0} failed; per request min/max {res.get('output_lens_min_max')}")
+                server_count = res.get("server_output_tokens")
+                if server_count is not None and server_count != expected[c]:
+                    bad.append(f"{where}: the server's counter says {server_count} tokens generated, "
+                               f"expected {expected[c]}")
+                if "as_counted_by_vllm_bench" in res:
+                    recounted.append(f"{where}: vllm bench counted "
+                                     f"{res['as_counted_by_vllm_bench']['total_output_tokens']} by re-tokenizing "
+                                     f"the text, the server {server_count}: metrics recounted")
+    return {"client": client, "ok": not bad, "expected": expected, "mismatches": bad, "recounted": recounted}
 
 
 def summarize(runs: dict, expected: dict, clients=("client_vllm", "client_minfer")) -> dict:
@@ -476,7 +573,7 @@ def print_summary(summary: dict) -> None:
                   f"TPOT {row['tpot_ratio']:.2f}x: {verdict}")
         tc = s["token_check"]
         print("  output tokens: " + ("all equal, as expected" if tc["ok"] else "MISMATCH"))
-        for line in tc["mismatches"]:
+        for line in tc["mismatches"] + tc["recounted"]:
             print("    " + line)
 
 

@@ -70,7 +70,9 @@ def test_server_commands():
                         ("--random-input-len", "192"), ("--random-output-len", "48"), ("--num-prompts", "32"),
                         ("--max-concurrency", "16"), ("--temperature", "0.0")):
         assert bench[bench.index(flag) + 1] == value
-    assert "--ignore-eos" in bench and "--save-result" in bench
+    assert "--ignore-eos" in bench and "--save-result" in bench and "--save-detailed" in bench
+    assert bench[bench.index("--ready-check-timeout-sec") + 1] == "0"  # its test request would be counted
+    assert "--metrics" in llama  # its generated-token counter
 
 
 def test_dry_run_prints_every_start(capsys):
@@ -181,3 +183,49 @@ def test_bench_lock_is_held_inside_only(tmp_path):
     assert free()
     with peer_serve.bench_lock(None):  # no lock file: nothing taken
         pass
+
+
+def test_counter_value_sums_labels_and_ignores_longer_names():
+    text = ("# HELP vllm:generation_tokens_total Number of generation tokens processed.\n"
+            "# TYPE vllm:generation_tokens_total counter\n"
+            'vllm:generation_tokens_total{engine="0",model_name="smollm2"} 96.0\n'
+            'vllm:generation_tokens_total{engine="1",model_name="smollm2"} 4.0\n'
+            "vllm:generation_tokens_total_created 1.7e9\n"
+            "llamacpp:tokens_predicted_total 768\n")
+    assert peer_serve.counter_value(text, "vllm:generation_tokens_total") == 100.0
+    assert peer_serve.counter_value(text, "llamacpp:tokens_predicted_total") == 768.0
+    assert peer_serve.counter_value(text, "minfer:generation_tokens_total") is None
+
+
+def test_percentile_is_numpys():
+    np = pytest.importorskip("numpy")
+    xs = [5.0, 1.0, 9.5, 3.25, 7.0, 2.0, 11.0]
+    for q in (0, 50, 90, 99, 100):
+        assert peer_serve.percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+
+
+def test_recount_recomputes_throughput_and_tpot_from_the_timings():
+    res = {"output_throughput": 99.0, "mean_ttft_ms": 100.0, "p99_ttft_ms": 150.0, "mean_tpot_ms": 1.0,
+           "p99_tpot_ms": 1.0, "total_output_tokens": 30, "failed": 0, "output_lens_min_max": [9, 11],
+           "_detail": {"ttfts": [0.1, 0.2, 0.3], "latencies": [1.0, 1.1, 2.1], "duration": 2.5}}
+    fixed = peer_serve.recount(res, 10)
+    assert fixed["total_output_tokens"] == 30 and fixed["output_throughput"] == pytest.approx(30 / 2.5)
+    assert fixed["mean_tpot_ms"] == pytest.approx(1000 * (0.9 / 9 + 0.9 / 9 + 1.8 / 9) / 3)
+    assert fixed["p99_tpot_ms"] == pytest.approx(1000 * peer_serve.percentile([0.1, 0.1, 0.2], 99))
+    assert fixed["mean_ttft_ms"] == 100.0  # TTFT does not depend on the count
+    assert fixed["as_counted_by_vllm_bench"]["output_throughput"] == 99.0
+
+
+def test_token_check_uses_the_servers_counter_and_reports_recounts():
+    expected = {1: 768}
+    runs = _runs({"llama-q4_1": {1: [(50, 100, 10), (50, 100, 10)]}})
+    first, second = (r["client_vllm"] for r in runs["llama-q4_1"][1])
+    first["server_output_tokens"] = 768
+    first["as_counted_by_vllm_bench"] = {"total_output_tokens": 771}
+    second["server_output_tokens"] = 700  # the client saw 768, the server says otherwise: flag it
+    check = peer_serve.token_check(runs, expected)
+    assert not check["ok"]
+    assert check["mismatches"] == ["llama-q4_1 c=1 round 1: the server's counter says 700 tokens generated, "
+                                   "expected 768"]
+    assert check["recounted"] == ["llama-q4_1 c=1 round 0: vllm bench counted 771 by re-tokenizing the text, "
+                                  "the server 768: metrics recounted"]
