@@ -23,8 +23,10 @@ import pytest  # noqa: E402
 
 MEMORY_BUDGET_MB = 8192  # issue 28: the suite's process tree, at its peak
 
-# Session fixtures holding a model: released after the last collected test that uses them.
-RELEASED_FIXTURES = ("llm", "hf_oracle", "llm_triton")
+# Session fixtures holding a model, and module ones whose module's later tests do not use them (`hf`:
+# transformers' float32 Gemma 3, 1.1 GB, in tests/test_models_gemma3.py): released after the last collected
+# test that uses them.
+RELEASED_FIXTURES = ("llm", "hf_oracle", "llm_triton", "hf")
 _last_user: dict[str, str] = {}  # fixture name -> node id of the last test that uses it
 
 
