@@ -9,6 +9,9 @@ out, swap in, copy-on-write) moves a block's codes and its scales together.
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 from minfer.attention.kv_quant import SCALE_DTYPE, KVCacheSpec, kv_cache_spec, raw
@@ -72,6 +75,21 @@ def determine_num_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype, 
     return int(num_blocks)
 
 
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pin_memory: bool = False) -> torch.Tensor:
+    """A zeroed tensor of `shape` and `dtype` on `device`.
+
+    In CPU memory (not pinned) it is a private anonymous mapping (mmap(2)): the kernel hands out zero pages
+    on first write, so a pool takes resident memory only for the blocks that were ever written, and it goes
+    back to the system whole (munmap) when the tensor dies, not into the allocator's free lists. On a GPU,
+    or pinned, it is `torch.zeros`.
+    """
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or pin_memory or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+    # frombuffer keeps a reference to the mapping: it is unmapped when the last view of it is gone.
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
+
+
 class KVCachePool:
     """The device KV tensors and the CPU swap tensors, with block copies between them.
 
@@ -88,16 +106,17 @@ class KVCachePool:
         n, store = cfg.num_hidden_layers, self.spec.dtype
         heads = (block_size, cfg.num_key_value_heads)
         pin = device.type == "cuda"
+        cpu = torch.device("cpu")
         # Zeroed, not torch.empty: attention masks unused slots of a partly filled block with -inf, but a
         # probability of 0 times a NaN left in uninitialised memory is still NaN.
-        self.layers = [torch.zeros((2, num_blocks, *heads, cfg.head_dim), dtype=store, device=device) for _ in range(n)]
-        self.cpu_layers = ([torch.zeros((2, num_cpu_blocks, *heads, cfg.head_dim), dtype=store, pin_memory=pin)
-                            for _ in range(n)] if num_cpu_blocks else [])
+        self.layers = [zeros((2, num_blocks, *heads, cfg.head_dim), store, device) for _ in range(n)]
+        self.cpu_layers = ([zeros((2, num_cpu_blocks, *heads, cfg.head_dim), store, cpu, pin) for _ in range(n)]
+                           if num_cpu_blocks else [])
         self.scales = self.cpu_scales = None
         if self.spec.quantized:
-            self.scales = [torch.zeros((2, num_blocks, *heads), dtype=SCALE_DTYPE, device=device) for _ in range(n)]
-            self.cpu_scales = ([torch.zeros((2, num_cpu_blocks, *heads), dtype=SCALE_DTYPE, pin_memory=pin)
-                                for _ in range(n)] if num_cpu_blocks else [])
+            self.scales = [zeros((2, num_blocks, *heads), SCALE_DTYPE, device) for _ in range(n)]
+            self.cpu_scales = ([zeros((2, num_cpu_blocks, *heads), SCALE_DTYPE, cpu, pin) for _ in range(n)]
+                               if num_cpu_blocks else [])
         self.num_blocks, self.block_size, self.num_cpu_blocks = num_blocks, block_size, num_cpu_blocks
 
     @property

@@ -192,16 +192,22 @@ NEAR_TIE_FLIPS = {("int8", "chunked-prefix"): 1, ("int8", "torch-reference"): 1,
 
 @pytest.fixture(scope="module")
 def quant_llms():
+    """get(kv_cache_dtype, **engine_args) -> an LLM; the same one again for the same arguments. Only the last one
+    is kept: each holds its own copy of the weights, and eight of them at once took 7.5 GB."""
     from minfer import LLM
+    from tests.conftest import release_free_memory
 
     cache = {}
 
     def get(kv_cache_dtype, **kw):
         key = (kv_cache_dtype, tuple(sorted(kw.items())))
         if key not in cache:
+            cache.clear()
+            release_free_memory()
             cache[key] = LLM(max_model_len=kw.pop("max_model_len", 1024), seed=0, kv_cache_dtype=kv_cache_dtype, **kw)
         return cache[key]
-    return get
+    yield get
+    cache.clear()
 
 
 @needs_default_model
@@ -219,7 +225,9 @@ def test_engine_equals_simple_path_with_quantized_kv(quant_llms, kv_cache_dtype)
               for i in range(len(prompts))]
     simple = quant_llms(kv_cache_dtype, kv_cache_memory_bytes=64 * MIB)
     ref = [simple.generate_simple(p, sp)[0].outputs[0] for p, sp in zip(prompts, params)]
+    del simple  # the fixture keeps one LLM at a time: the next config's replaces it
     for name in CONFIGS_PER_DTYPE[kv_cache_dtype]:
+        llm = None  # the previous config's LLM goes before the next one is built
         llm = quant_llms(kv_cache_dtype, **ENGINE_CONFIGS[name])
         outs = [o.outputs[0] for o in llm.generate(prompts, params)]
         flips = 0

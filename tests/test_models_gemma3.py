@@ -29,6 +29,16 @@ def license_text() -> str:
     return path.read_text()
 
 
+@pytest.fixture(autouse=True)
+def _drop_finished_models():
+    """Each test's own LLMs (1-3 GB each) go before the next test builds its own: they sit in reference cycles,
+    which only the garbage collector frees."""
+    yield
+    from tests.conftest import release_free_memory
+
+    release_free_memory()
+
+
 @pytest.fixture(scope="module")
 def gguf_path():
     from minfer.model.sources import resolve_model
