@@ -17,7 +17,7 @@ import re
 import sys
 from dataclasses import fields
 
-from minfer.config import ATTENTION_BACKENDS, DEFAULT_MODEL, KERNELS, EngineArgs
+from minfer.config import ATTENTION_BACKENDS, DEFAULT_CHUNK_BUDGET, DEFAULT_MODEL, KERNELS, EngineArgs
 from minfer.serve.engine_client import ENGINE_HEARTBEAT_TIMEOUT
 from minfer.serve.limits import ServerLimits
 from minfer.serve.router import ROUTER_POLICIES
@@ -102,7 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=d["enable_chunked_prefill"],
       help=f"split long prompts into chunks batched with decodes (default: {d['enable_chunked_prefill']})")
     a("--max-num-batched-tokens", type=int, metavar="N", default=d["max_num_batched_tokens"],
-      help="most tokens (prefill + decode) in one step (tokens; default: chosen by the engine)")
+      help="most tokens (prefill + decode) in one step (tokens; default with chunked prefill: "
+           f"{DEFAULT_CHUNK_BUDGET['cpu']} on a CPU, {DEFAULT_CHUNK_BUDGET['cuda']} on a GPU; without it: "
+           "max(--max-model-len, 2048))")
     a("--max-num-seqs", type=int, metavar="N", default=d["max_num_seqs"],
       help=f"most sequences in one step (sequences; default: {d['max_num_seqs']})")
     a("--swap-space", type=float, metavar="GIB", default=d["swap_space"],
