@@ -32,7 +32,6 @@ import math
 import os
 import platform
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -217,14 +216,8 @@ def part_b(args) -> dict:
 
 
 # --- part c: two tenants through the server -----------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(extra: list[str], cpus: str | None, threads: int | None) -> tuple[subprocess.Popen, str, str]:
-    import httpx
+    from minfer.bench.serve import free_port, wait_until_healthy
 
     port = free_port()
     cmd = [sys.executable, "-m", "minfer.serve", "--port", str(port), "--dtype", "float32",
@@ -236,19 +229,11 @@ def start_server(extra: list[str], cpus: str | None, threads: int | None) -> tup
         env["OMP_NUM_THREADS"] = str(threads)
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited ({proc.returncode}): {shlex.join(cmd)}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    else:
+    try:
+        wait_until_healthy(url, proc, timeout_s=180)
+    except RuntimeError as exc:
         proc.kill()
-        raise RuntimeError("server did not become healthy")
+        raise RuntimeError(f"{exc}: {shlex.join(cmd)}") from None
     shown = (f"OMP_NUM_THREADS={threads} " if threads is not None else "") + shlex.join(
         [c if c != sys.executable else "python" for c in cmd])
     return proc, url, shown

@@ -61,7 +61,6 @@ import os
 import platform
 import shlex
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -256,26 +255,11 @@ def starts(args) -> list[tuple[int, Server, int, list[int]]]:
 # running
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 1200) -> None:
-    import httpx
+    """vLLM compiles its graphs before /health answers: minutes on this CPU, hence the long timeout."""
+    from minfer.bench.serve import wait_until_healthy
 
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with status {proc.returncode} before it was healthy")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"server not healthy after {timeout} s")
+    wait_until_healthy(url, proc, timeout_s=timeout, interval_s=1.0)
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -411,6 +395,8 @@ def warm_up(url: str) -> None:
 
 def measure_start(args, rnd: int, server: Server, slots: int, concurrencies: list[int], log_dir: str) -> dict:
     """Start `server` once, drive it at each concurrency with each client, stop it: {concurrency: run}."""
+    from minfer.bench.serve import free_port
+
     port = free_port()
     cmd, env = server_cmd(server, args, port, slots)
     log_path = Path(log_dir) / f"r{rnd}_{server.name}_np{slots}_{port}.log"

@@ -27,24 +27,14 @@ import json
 import os
 import shlex
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-import httpx
 
 TARGET = 1.2
 NAME = "smollm2"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def export_hf_dir(path: Path) -> None:
@@ -81,17 +71,9 @@ def ensure_vllm_metadata(vllm_exe: str) -> None:
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 900) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"server not healthy after {timeout} s")
+    from minfer.bench.serve import wait_until_healthy
+
+    wait_until_healthy(url, proc, timeout_s=timeout, interval_s=1.0)
 
 
 def vllm_env() -> dict:
@@ -155,6 +137,8 @@ def stop_server(proc: subprocess.Popen, log) -> None:
 
 
 def measure(which: str, args) -> dict:
+    from minfer.bench.serve import free_port
+
     port = free_port()
     cmd, env = server_cmd(which, args, port)
     log = open(f"{args.log_dir}/{which}_{port}.log", "w")

@@ -63,6 +63,34 @@ class RequestResult:
     error: str = ""
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the OS picks it), for a server a benchmark starts."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_healthy(base_url: str, proc=None, timeout_s: float = 600.0, interval_s: float = 0.5) -> float:
+    """Poll `GET base_url/health` until it answers 200; returns the seconds waited.
+
+    `proc` (a `subprocess.Popen` of the server, optional): RuntimeError as soon as it exits. RuntimeError too
+    after `timeout_s` seconds without a 200. Every server a benchmark compares (minfer's, `vllm serve`,
+    `llama-server`) answers `/health` with 200 once it serves."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout_s:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with status {proc.returncode} before it was healthy")
+        try:
+            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
+                return time.perf_counter() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(interval_s)
+    raise RuntimeError(f"server not healthy after {timeout_s:.0f} s")
+
+
 def sample_requests(dataset: str = "random", num_prompts: int = 16, input_len: int = 32, output_len: int = 16,
                     prefix_len: int = 0, seed: int = 0, vocab_size: int = 32000,
                     min_token_id: int | None = None) -> list[BenchRequest]:
