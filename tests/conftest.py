@@ -30,7 +30,19 @@ RELEASED_FIXTURES = ("llm", "hf_oracle", "llm_triton", "hf")
 _last_user: dict[str, str] = {}  # fixture name -> node id of the last test that uses it
 
 
+# Test files that build several large models of their own (Gemma 3: ~3 GB an engine, plus transformers' float32
+# copy) run after every other test file, when the session fixtures above have been released by their last user
+# (SmolLM2's `llm` and its oracle, ~3 GB): beside them, they were the suite's peak (8.6 GB, issue 28's budget 8).
+RUN_LAST = ("tests/test_models_gemma3.py",)
+
+
 def pytest_collection_modifyitems(session, config, items):
+    last = [item for item in items if item.nodeid.startswith(RUN_LAST)]
+    if last:
+        rest = [item for item in items if not item.nodeid.startswith(RUN_LAST)]
+        # after the last test file's items, before the notebooks (nbval items follow the tests)
+        at = max((i + 1 for i, item in enumerate(rest) if item.nodeid.startswith("tests/")), default=len(rest))
+        items[:] = rest[:at] + last + rest[at:]
     _last_user.clear()
     for item in items:
         for name in RELEASED_FIXTURES:

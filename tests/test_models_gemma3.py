@@ -107,18 +107,23 @@ def test_gguf_quantization_reads_the_norms_as_the_float_path_does(llm):
             == llm.generate("The capital of France is", p)[0].outputs[0].token_ids)
 
 
-def test_prefix_cache_on_the_hybrid_kv_cache_gives_the_uncached_tokens(llm, ids):
-    """The real model with the prefix cache on (block size 16): a prompt sharing 590 tokens with an earlier one
-    (past the 512-token window) hits 576 of them, every local group holding only its window's blocks, and its
-    greedy tokens equal the uncached engine's."""
+def test_prefix_cache_on_the_hybrid_kv_cache_gives_the_uncached_tokens():
+    """The real model with the prefix cache on (block size 16): a prompt sharing 590 tokens with an earlier,
+    longer one (past the 512-token window) hits 576 of them, every local group holding only its window's blocks,
+    and its greedy tokens equal the same prompt's tokens computed with nothing cached (its first run, on the same
+    engine). It asks for no other engine, so the module's `llm` is released before this one is built (the suite's
+    memory budget: two Gemma engines at once were 6 GB)."""
     from minfer import LLM, SamplingParams
 
     cached = LLM(model="gemma3-270m", max_model_len=1024, kv_cache_memory_bytes=64 << 20, attention_backend="torch",
                  device="cpu", enable_prefix_caching=True)
+    ids = cached.tokenizer.encode(license_text())[:N_PROMPT]
     p = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True)
     short = ids[:590]
+    first = cached.generate([short], p)[0]
+    assert first.num_cached_tokens == 0
     cached.generate([ids], p)
     out = cached.generate([short], p)[0]
     assert out.num_cached_tokens == 576
-    assert out.outputs[0].token_ids == llm.generate([short], p)[0].outputs[0].token_ids
+    assert out.outputs[0].token_ids == first.outputs[0].token_ids
     assert cached.llm_engine.all_blocks_free() and not cached.llm_engine.block_manager.group_freed
