@@ -51,7 +51,7 @@ MODES = {"default": [], "eager": ["--enforce-eager"], "reference": ["--kernels",
 
 def one_start(mode: str, args: argparse.Namespace, seed: int) -> dict:
     """Start one server in `mode`, time its start-up, run the single requests, stop it."""
-    from minfer.bench.serve import free_port, run_benchmark, wait_until_healthy
+    from minfer.bench.serve import free_port, run_benchmark, stop_server, wait_until_healthy
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -81,11 +81,7 @@ def one_start(mode: str, args: argparse.Namespace, seed: int) -> dict:
             out[name] = {"prompt_tokens": length, "ttft_s": res["ttfts"], "tpot_s": res["tpots"]}
         return out
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
         os.unlink(log.name)
 
 

@@ -29,7 +29,7 @@ import httpx
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from minfer.bench.serve import run_benchmark  # noqa: E402
+from minfer.bench.serve import run_benchmark, stop_server  # noqa: E402
 
 PRICE_PER_CORE_HOUR = 0.02  # an assumption for the example ($), not a measurement
 # notebook 15 §1: the article's command fitted to a 2-core CPU, plus the fallback flags
@@ -93,11 +93,7 @@ def targets(concurrency: list[int]) -> dict:
             print(conc, json.dumps(levels[str(conc)]), flush=True)
         phases = phase_means_ms(url)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
         os.unlink(log.name)
     target = 2 * levels[str(concurrency[0])]["p99_ttft_ms"]
     met = [c for c in concurrency if levels[str(c)]["p99_ttft_ms"] <= target]

@@ -45,3 +45,17 @@ def test_a_server_that_exits_first_is_an_error():
 def test_no_answer_times_out():
     with pytest.raises(RuntimeError, match="not healthy after"):
         wait_until_healthy(f"http://127.0.0.1:{free_port()}", timeout_s=0.2, interval_s=0.05)
+
+
+def test_stop_server_terminates_then_kills():
+    from minfer.bench.serve import stop_server
+
+    polite = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    stop_server(polite, grace_s=30)
+    assert polite.returncode is not None
+    stubborn = subprocess.Popen([sys.executable, "-c",
+                                 "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                 "print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    assert stubborn.stdout.readline().strip() == "ready"  # SIGTERM is ignored from here on
+    stop_server(stubborn, grace_s=0.2)
+    assert stubborn.returncode == -9

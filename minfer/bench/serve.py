@@ -91,6 +91,18 @@ def wait_until_healthy(base_url: str, proc=None, timeout_s: float = 600.0, inter
     raise RuntimeError(f"server not healthy after {timeout_s:.0f} s")
 
 
+def stop_server(proc, grace_s: float = 60.0) -> None:
+    """SIGTERM a server process a benchmark started, SIGKILL it if it has not exited after `grace_s` seconds."""
+    import subprocess
+
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def sample_requests(dataset: str = "random", num_prompts: int = 16, input_len: int = 32, output_len: int = 16,
                     prefix_len: int = 0, seed: int = 0, vocab_size: int = 32000,
                     min_token_id: int | None = None) -> list[BenchRequest]:
