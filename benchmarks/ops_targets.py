@@ -29,7 +29,7 @@ import httpx
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from minfer.bench.serve import run_benchmark, stop_server  # noqa: E402
+from minfer.bench.serve import run_benchmark, stop_server, wait_until_healthy  # noqa: E402
 
 PRICE_PER_CORE_HOUR = 0.02  # an assumption for the example ($), not a measurement
 # notebook 15 §1: the article's command fitted to a 2-core CPU, plus the fallback flags
@@ -69,15 +69,10 @@ def targets(concurrency: list[int]) -> dict:
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "minfer.serve", *argv], stdout=log, stderr=subprocess.STDOUT)
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(open(log.name).read()[-3000:])
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+        try:
+            wait_until_healthy(url, proc, interval_s=0.1)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}\n{open(log.name).read()[-3000:]}") from None
         startup = time.perf_counter() - t0
         cores = os.cpu_count()
         levels = {}

@@ -262,15 +262,6 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 1200) -> Non
     wait_until_healthy(url, proc, timeout_s=timeout, interval_s=1.0)
 
 
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 @contextlib.contextmanager
 def bench_lock(path: str | None):
     """An exclusive flock on `path` for the duration (nothing when None): one timing on the machine at a time."""
@@ -395,7 +386,7 @@ def warm_up(url: str) -> None:
 
 def measure_start(args, rnd: int, server: Server, slots: int, concurrencies: list[int], log_dir: str) -> dict:
     """Start `server` once, drive it at each concurrency with each client, stop it: {concurrency: run}."""
-    from minfer.bench.serve import free_port
+    from minfer.bench.serve import free_port, stop_server
 
     port = free_port()
     cmd, env = server_cmd(server, args, port, slots)

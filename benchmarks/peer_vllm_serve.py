@@ -126,13 +126,10 @@ def run_vllm_client(url: str, args, port: int) -> dict | None:
 
 
 def stop_server(proc: subprocess.Popen, log) -> None:
-    """Terminate a server started by `measure` (kill it after 60 s) and close its log."""
-    proc.terminate()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    """Stop a server started by `measure` (`minfer.bench.serve.stop_server`) and close its log."""
+    from minfer.bench.serve import stop_server as stop
+
+    stop(proc)
     log.close()
 
 

@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,12 +30,6 @@ import time
 import httpx
 
 TARGET = 0.95
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_profiler(pid: int, path: str) -> subprocess.Popen | None:
@@ -109,7 +102,7 @@ def summarize_profile(path: str, wall_s: float, rate: float = 100.0, top: int = 
 
 
 def run_server(mode: str, args, profile_dir: str | None) -> dict:
-    from minfer.bench.serve import run_benchmark
+    from minfer.bench.serve import free_port, run_benchmark, stop_server, wait_until_healthy
 
     port = free_port()
     cmd = [sys.executable, "-m", "minfer.serve", "--port", str(port), "--max-model-len", "1024",
@@ -121,13 +114,7 @@ def run_server(mode: str, args, profile_dir: str | None) -> dict:
     url = f"http://127.0.0.1:{port}"
     profilers = {}
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_until_healthy(url, server, timeout_s=300)
         run_benchmark(url, num_prompts=4, max_concurrency=4, input_len=16, output_len=4,
                       vocab_size=49152, disable_tqdm=True, poll_stats=False)  # warm-up
         if profile_dir:
@@ -146,8 +133,7 @@ def run_server(mode: str, args, profile_dir: str | None) -> dict:
         for p, _ in profilers.values():
             stop_profiler(p)
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        stop_server(server, grace_s=30)
     out = {"output_tok_s": served["output_throughput"], "failed": served.get("failed", 0),
            "mean_ttft_ms": served.get("mean_ttft_ms"), "mean_tpot_ms": served.get("mean_tpot_ms")}
     if profilers:

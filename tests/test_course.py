@@ -126,11 +126,9 @@ def test_every_flag_of_the_articles_command_is_in_chapter_9s_table_with_its_verd
     flags = [r["flag"] for r in data["article_command"]]
     article = ROOT.parent / "shared" / "seed" / "llm-inference-a-to-z.ko.txt"
     if article.is_file():
-        import importlib.util
+        from tests.benchmark_scripts import load_benchmark
 
-        spec = importlib.util.spec_from_file_location("vllm_flags", ROOT / "benchmarks" / "vllm_flags.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
+        mod = load_benchmark("vllm_flags")
         assert [f for f, _ in mod.article_command_from_text(article.read_text(encoding="utf-8"))] == flags
     assert len(flags) == 20 and len(set(flags)) == 20
     text = (ROOT / "chapters/09-serving.md").read_text()

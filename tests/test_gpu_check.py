@@ -6,22 +6,19 @@ greedy tokens, and the figures must be written. Times are not checked (a dry run
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 
 import pytest
 
 from minfer.kernels import interpreter_active
+from tests.benchmark_scripts import load_benchmark
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def load_gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("gpu_check")
 
 
 def test_targets_against_their_bounds():

@@ -1,17 +1,13 @@
 """`benchmarks/peer_serve.py` without any server: its plan (the commands it would run), its summary and ratios
 on canned results, and the output-token check. The benchmark itself runs vLLM and llama.cpp and is never a test."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-spec = importlib.util.spec_from_file_location("peer_serve", Path(__file__).parents[1] / "benchmarks" / "peer_serve.py")
-peer_serve = importlib.util.module_from_spec(spec)
-sys.modules["peer_serve"] = peer_serve  # dataclasses look their module up by name
-spec.loader.exec_module(peer_serve)
+from tests.benchmark_scripts import load_benchmark
+
+peer_serve = load_benchmark("peer_serve")
 
 Q4_1 = ["--gguf-q4-1", "/models/q4_1.gguf"]
 

@@ -1,17 +1,14 @@
 """The pure helpers of `benchmarks/peer_vllm.py` (the benchmark itself runs vLLM and is never a test)."""
 
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from minfer.kv_cache import bytes_per_block
+from tests.benchmark_scripts import load_benchmark
 
-spec = importlib.util.spec_from_file_location("peer_vllm", Path(__file__).parents[1] / "benchmarks" / "peer_vllm.py")
-peer_vllm = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(peer_vllm)
+peer_vllm = load_benchmark("peer_vllm")
 
 
 @pytest.mark.parametrize("head_dim", [64, None])
@@ -54,14 +51,7 @@ def test_compare_outputs():
 
 
 def _accounting():
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(
-        "peer_vllm_serve_accounting", Path(__file__).parents[1] / "benchmarks" / "peer_vllm_serve_accounting.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("peer_vllm_serve_accounting")
 
 
 def test_step_timeline_clusters_the_streams_into_steps():

@@ -3,21 +3,18 @@ minfer Llama layer and a token-by-token sum. Times are not checked (the script m
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 
 import pytest
 
 from minfer.config import ModelConfig
+from tests.benchmark_scripts import load_benchmark
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def load_roofline():
-    spec = importlib.util.spec_from_file_location("serve_roofline", ROOT / "benchmarks" / "serve_roofline.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("serve_roofline")
 
 
 def test_flops_per_request_counts_the_real_layer_weights():

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
+from minfer.config import ModelConfig
 from minfer.memory import kv_cache_bytes
 
 
@@ -44,32 +45,26 @@ MIG_PROFILES = [MigProfile(gpu, name, Fraction(mem, 8), Fraction(sm, 7), inst)
                 for gpu, names in _NAMES.items() for name, (mem, sm, inst) in zip(names, _SHAPES)]
 
 
-@dataclass(frozen=True)
-class LlamaShape:
-    """What a Llama-family model's memory depends on (numbers from each model's public config.json)."""
-
-    name: str
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    tie_word_embeddings: bool
-
-    def num_parameters(self) -> int:
-        """Parameters of the Llama architecture (no biases): embeddings, q/k/v/o, gate/up/down, RMSNorms."""
-        h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
-        per_layer = h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size + 2 * h
-        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return embed + self.num_hidden_layers * per_layer + h
+def num_parameters(config: ModelConfig) -> int:
+    """Parameters of a Llama-architecture `config` (no biases): embeddings, q/k/v/o, gate/up/down, RMSNorms."""
+    h, q = config.hidden_size, config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * config.intermediate_size + 2 * h
+    embed = config.vocab_size * h * (1 if config.tie_word_embeddings else 2)
+    return embed + config.num_hidden_layers * per_layer + h
 
 
+def _llama(hidden, intermediate, layers, heads, kv_heads, head_dim, vocab, tied) -> ModelConfig:
+    return ModelConfig("LlamaForCausalLM", vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                       head_dim=head_dim, tie_word_embeddings=tied)
+
+
+# The shapes memory depends on, from each model's public config.json.
 MODELS = {
-    "SmolLM2-135M": LlamaShape("SmolLM2-135M", 576, 1536, 30, 9, 3, 64, 49152, True),
-    "Llama-2-7B": LlamaShape("Llama-2-7B", 4096, 11008, 32, 32, 32, 128, 32000, False),
-    "Llama-3.1-70B": LlamaShape("Llama-3.1-70B", 8192, 28672, 80, 64, 8, 128, 128256, False),
+    "SmolLM2-135M": _llama(576, 1536, 30, 9, 3, 64, 49152, True),
+    "Llama-2-7B": _llama(4096, 11008, 32, 32, 32, 128, 32000, False),
+    "Llama-3.1-70B": _llama(8192, 28672, 80, 64, 8, 128, 128256, False),
 }
 
 # Bytes per weight. int8/int4 add one float16 scale per group of 128 weights (minfer's and GPTQ/AWQ's usual
@@ -82,7 +77,7 @@ def slice_bytes(profile: MigProfile) -> float:
     return float(profile.memory_fraction) * GPUS_GB[profile.gpu] * 1e9
 
 
-def replica_bytes(model: LlamaShape, weight_dtype: str = "bfloat16", kv_tokens: int = 4096,
+def replica_bytes(model: ModelConfig, weight_dtype: str = "bfloat16", kv_tokens: int = 4096,
                   kv_dtype: str = "bfloat16") -> float:
     """Bytes one replica needs: its weights at `weight_dtype` plus a KV cache of `kv_tokens` tokens.
 
@@ -94,10 +89,10 @@ def replica_bytes(model: LlamaShape, weight_dtype: str = "bfloat16", kv_tokens: 
     if not isinstance(kv_tokens, int) or kv_tokens < 0:
         raise ValueError(f"kv_tokens must be a non-negative integer, got {kv_tokens!r}")
     kv = kv_cache_bytes(model.num_hidden_layers, 1, kv_tokens, model.num_key_value_heads, model.head_dim, kv_dtype)
-    return model.num_parameters() * WEIGHT_BYTES[weight_dtype] + kv
+    return num_parameters(model) * WEIGHT_BYTES[weight_dtype] + kv
 
 
-def replicas_per_slice(profile: MigProfile, model: LlamaShape, weight_dtype: str = "bfloat16",
+def replicas_per_slice(profile: MigProfile, model: ModelConfig, weight_dtype: str = "bfloat16",
                        kv_tokens: int = 4096, kv_dtype: str = "bfloat16",
                        gpu_memory_utilization: float = 0.9) -> int:
     """How many replicas of `model` fit in one instance of `profile` (0: not even one).
@@ -122,9 +117,9 @@ def mig_table(weight_dtypes=("bfloat16", "int4"), kv_tokens: int = 4096, gpu_mem
         row = {"gpu": p.gpu, "profile": p.name, "memory_fraction": str(p.memory_fraction),
                "sm_fraction": str(p.sm_fraction), "max_instances": p.max_instances,
                "slice_gb": round(slice_bytes(p) / 1e9, 2)}
-        for m in MODELS.values():
+        for name, m in MODELS.items():
             for dt in weight_dtypes:
-                row[f"{m.name} {dt}"] = replicas_per_slice(p, m, dt, kv_tokens,
+                row[f"{name} {dt}"] = replicas_per_slice(p, m, dt, kv_tokens,
                                                            gpu_memory_utilization=gpu_memory_utilization)
         rows.append(row)
     return rows
