@@ -240,12 +240,9 @@ def start_server(extra: list[str], cpus: str | None, threads: int | None) -> tup
 
 
 def stop_server(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    from minfer.bench.serve import stop_server as stop
+
+    stop(proc, grace_s=30)
 
 
 async def tenants(batch_url: str, latency_url: str, args) -> dict:
