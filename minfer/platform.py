@@ -222,22 +222,22 @@ class CpuPlatform(Platform):
     name = "cpu"
 
     def linear_method(self) -> LinearMethodBase:
-        """"nn" on the reference path; else `MINFER_LINEAR_LAYOUT` if set, "hybrid" for float32 or bfloat16 with
-        oneDNN, "split" otherwise. Raises ValueError for a bad override.
+        """"nn" on the reference path; else `MINFER_LINEAR_LAYOUT` if set, "hybrid" for float32, or bfloat16 where
+        oneDNN's bfloat16 product runs on this CPU (`onednn_supports`), "split" otherwise. Raises ValueError for a bad override.
 
         bfloat16 took "split" (a batched matmul) until issue 18's profile of a bfloat16 server: there the
         linears of a 16-row decode step ran at 6-52 GFLOP/s through `bmm`, oneDNN's packed bfloat16 product at
         74-240 (`benchmarks/wave_profile.py`, chapter 9 §9.2.5)."""
         if self.reference:
             return UnquantizedLinearMethod()
-        from minfer.cpu.linear import LINEAR_METHODS, HybridLinearMethod, SplitLinearMethod, onednn_available
+        from minfer.cpu.linear import LINEAR_METHODS, HybridLinearMethod, SplitLinearMethod, onednn_supports
 
         forced = linear_layout_override()
         if forced:
             if forced not in LINEAR_METHODS:
                 raise ValueError(f"MINFER_LINEAR_LAYOUT={forced!r}: use one of {', '.join(LINEAR_METHODS)}")
             return get_linear_method(forced)
-        if self.dtype in (torch.float32, torch.bfloat16) and onednn_available():
+        if onednn_supports(self.dtype):
             return HybridLinearMethod()
         return SplitLinearMethod()
 

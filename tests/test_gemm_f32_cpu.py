@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from minfer.cpu import gemm_f32 as g
+from minfer.cpu.linear import onednn_supports
 from minfer.model.layers import Linear
 
 pytestmark = pytest.mark.skipif(not g.gemm_f32_available(), reason="the C++ float32 GEMM does not build here")
@@ -113,6 +114,8 @@ def test_hybrid_linear_takes_panels_for_few_rows_and_equals_f_linear(rows):
     assert torch.equal(lin.weight_rows(ids), w[ids])
 
 
+@pytest.mark.skipif(not onednn_supports(torch.bfloat16),
+                    reason="oneDNN's bfloat16 product needs AVX512-BW/VL/DQ or AVX-NE-CONVERT, which this CPU lacks")
 def test_bfloat16_hybrid_keeps_split_for_one_row():
     lin = Linear(32, 32, method="hybrid")
     lin.weight.data = torch.randn(32, 32).bfloat16()

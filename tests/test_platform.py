@@ -174,3 +174,21 @@ def test_cuda_platform_auto_takes_triton_ops_and_sampler_and_graphs_follow_enfor
     assert ref.graph_runner(None, None, 8, 4) is None and ref.fused_ops("auto") is False
     assert not isinstance(ref.sampler(None, "auto"), TritonSampler)
     assert CpuPlatform("cpu", torch.float32).graph_runner(None, None, 8, 4) is None
+
+
+def test_bfloat16_takes_onednn_only_where_the_cpu_runs_it():
+    """oneDNN packs a bfloat16 weight only on CPUs with AVX512-BW/VL/DQ or AVX-NE-CONVERT (an AVX2-only EPYC has
+    neither): there the platform picks "hybrid", elsewhere "split", and a bfloat16 model loads either way."""
+    from minfer.cpu.linear import onednn_supports
+    from minfer.model.layers import Linear
+
+    method = get_platform("auto", "cpu", torch.bfloat16).linear_method()
+    assert method.name == ("hybrid" if onednn_supports(torch.bfloat16) else "split")
+    assert get_platform("auto", "cpu", torch.float32).linear_method().name == (
+        "hybrid" if onednn_supports(torch.float32) else "split")
+    lin = Linear(32, 32, method=method.name)
+    lin.weight.data = torch.randn(32, 32).bfloat16()
+    lin.process_weights_after_loading()
+    x = torch.randn(3, 32).bfloat16()
+    torch.testing.assert_close(lin(x).float(), x.float() @ lin.weight_rows(torch.arange(32)).float().T,
+                               rtol=2e-2, atol=2e-2)

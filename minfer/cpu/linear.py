@@ -30,6 +30,7 @@ What a layout keeps beside the layer's `weight` parameter is its per-layer state
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -48,6 +49,20 @@ def onednn_available() -> bool:
     the op torch.compile's CPU backend uses for frozen weights)."""
     return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+@functools.lru_cache(maxsize=None)
+def onednn_supports(dtype: torch.dtype) -> bool:
+    """True when oneDNN can pack and multiply a `dtype` weight on this CPU: float32 wherever oneDNN is built in;
+    bfloat16 only where the CPU has the instructions oneDNN's bfloat16 path needs (AVX512-BW/VL/DQ or
+    AVX-NE-CONVERT; an AVX2-only CPU has neither). Probed once per dtype by packing a tiny weight."""
+    if not onednn_available() or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), 1)
+    except RuntimeError:
+        return False
+    return True
 
 
 @dataclass
@@ -108,8 +123,10 @@ ONEDNN_BATCH_HINT = 64  # rows oneDNN tunes its packing for; measured equal to e
 def _onednn_pack(layer: "Linear", name: str) -> torch.Tensor:
     """oneDNN's packed copy of the layer's `[out, in]` float32 or bfloat16 weight (bfloat16: oneDNN's AVX512-BF16 /
     AMX kernels where the CPU has them). Raises ValueError where it cannot be."""
-    if not onednn_available() or layer.weight.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"the {name} layout needs a torch with oneDNN and a float32 or bfloat16 weight")
+    if not onednn_supports(layer.weight.dtype):
+        raise ValueError(f"the {name} layout needs a torch with oneDNN and a float32 weight, or a bfloat16 weight on "
+                         f"a CPU with oneDNN's bfloat16 instructions (AVX512-BW/VL/DQ or AVX-NE-CONVERT); this "
+                         f"weight is {layer.weight.dtype}")
     return torch.ops.mkldnn._reorder_linear_weight(layer.weight.data, ONEDNN_BATCH_HINT)
 
 
