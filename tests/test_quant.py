@@ -11,7 +11,8 @@ from minfer.cpu.linear import CpuQuantKernels
 from minfer.model.layers import Linear
 from minfer.model.linear_method import UnquantizedLinearMethod
 from minfer.quantization import get_quantization_method, parse_quantization_config
-from minfer.quantization.int4 import Int4LinearMethod, dequantize_int4, pack_int4, quantize_int4, unpack_int4
+from minfer.quantization.int4 import (Int4LinearMethod, dequantize_int4, int4pack_block, pack_int4, quantize_int4,
+                                      unpack_int4)
 from minfer.quantization.int8 import Int8LinearMethod, dequantize_int8, quantize_int8
 from tests.conftest import needs_default_model
 
@@ -51,7 +52,7 @@ def test_int4_round_trip_bound(group_size):
 @pytest.mark.parametrize("out,k", [(64, 96), (960, 576), (128, 32)])
 def test_int4_pack_unpack_is_the_ops_layout(out, k):
     codes = torch.randint(0, 16, (out, k), dtype=torch.uint8)
-    assert torch.equal(unpack_int4(pack_int4(codes)), codes)
+    assert torch.equal(unpack_int4(pack_int4(codes), int4pack_block(codes.device)), codes)
 
 
 def reference(x, w_hat):
@@ -286,3 +287,18 @@ def test_int8_on_widths_the_packed_op_cannot_take(k):
     y = layer(x)
     ref = reference(x, Int8LinearMethod().dequantize(layer, torch.float32)) + layer.bias
     assert float((y - ref).abs().max()) <= 1e-2 * float(ref.abs().max())
+
+
+def test_int4pack_block_follows_the_cpu_vector_width():
+    """torch's CPU int4 packing sizes its row blocks by 4 float vectors (64 rows with AVX-512, 32 with AVX2), so
+    reading its layout back must use this machine's block, and the GPU layout stays 64."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX512", "AVX2"):
+        pytest.skip(f"no known int4 block for torch's {capability} kernels")
+    assert int4pack_block("cpu") == (64 if capability == "AVX512" else 32)
+    assert int4pack_block("cuda") == 64
+    # the op's layout on the reference path (no C++ kernel): the method reads its own codes back
+    m = Int4LinearMethod(64)
+    layer, w = make_linear(m, 128, 64)
+    codes, _, _ = quantize_int4(w, 64)
+    assert layer.int4_packed and torch.equal(m.codes(layer), codes)

@@ -13,7 +13,8 @@ import torch
 from minfer.kernels import interpreter_active
 from minfer.kernels.reference import w4a16_reference
 from minfer.kernels.w4a16 import w4a16_matmul
-from minfer.quantization.int4 import Int4LinearMethod, pack_int4, pack_int4_blocked, quantize_int4, unpack_int4
+from minfer.quantization.int4 import (Int4LinearMethod, int4pack_block, pack_int4, pack_int4_blocked, quantize_int4,
+                                      unpack_int4)
 
 DEVICES = (["cpu"] if interpreter_active() else []) + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -25,9 +26,10 @@ def _weights(n, k, g, seed=0):
 
 
 def _packed(codes, blocked):
-    """The bytes `Int4LinearMethod.store` keeps: the op's layout, or the plain nibble pairs."""
+    """The bytes the kernel reads (what `Int4LinearMethod.store` keeps on a GPU): 64-row blocks, or the plain
+    nibble pairs."""
     if blocked:
-        return pack_int4(codes)
+        return pack_int4_blocked(codes)
     return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
 
 
@@ -67,11 +69,15 @@ def test_plain_layout_on_a_multiple_of_64_and_bf16_in_out(device):
 
 
 def test_torch_packer_is_the_cpu_ops_layout():
-    """The device-agnostic packer (used where the CPU op cannot run) writes exactly the op's bytes."""
+    """The device-agnostic packer (used where the CPU op cannot run) writes exactly the op's bytes, in the op's
+    blocks on this CPU (64 rows with AVX-512, 32 with AVX2), and `pack_int4` is the op."""
     codes = torch.randint(0, 16, (128, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
-    packed = pack_int4_blocked(codes)
+    block = int4pack_block("cpu")
+    packed = pack_int4_blocked(codes, block)
     assert torch.equal(packed, torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
-    assert torch.equal(unpack_int4(packed), codes)
+    assert torch.equal(packed, pack_int4(codes))
+    assert torch.equal(unpack_int4(packed, block), codes)
+    assert torch.equal(unpack_int4(pack_int4_blocked(codes)), codes)  # the GPU kernel's 64-row blocks
 
 
 @pytest.mark.parametrize("device", DEVICES)

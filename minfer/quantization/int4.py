@@ -19,13 +19,16 @@ fallback to another group size: the quality and the bytes per weight would not b
 Stored on a CPU where the C++ kernel builds: the integer GEMM's tiles (`minfer.cpu.qgemm`: w =
 (q - 8) s + z with s and z bfloat16 per group; 0.5 + 4/G bytes per weight), which every batch size runs
 (activations quantized to int8 blocks of 32; `minfer.quantization.base`). Elsewhere: `qweight uint8 [out,
-in/2]` in the op's packed layout (for `out % 64 == 0`: blocks of 64 rows, byte `[b, k, i]` = row 64b+i in
-the low nibble, row 64b+32+i in the high one) and `scales_and_zeros bfloat16 [in/G, out, 2]`, for torch's
+in/2]` in the op's packed layout (for `out % 64 == 0`: blocks of B rows, byte `[b, k, i]` = row Bb+i in
+the low nibble, row Bb+B/2+i in the high one; B is 64 on a GPU and on an AVX-512 CPU, 32 on an AVX2 one, since
+torch's CPU op sizes its blocks by the vector width: `int4pack_block`) and `scales_and_zeros bfloat16 [in/G, out, 2]`, for torch's
 packed op, the dequantize route or the GPU's Triton W4A16 kernel (`device_kernel` rebuilds these from the
 tiles for a layer packed on the CPU).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -72,28 +75,51 @@ def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
     return (q * scale.to(dtype)[..., None] + zero.to(dtype)[..., None]).reshape(out, k)
 
 
+GPU_INT4PACK_BLOCK = 64  # rows per block of the layout the GPU's Triton W4A16 kernel reads
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_int4pack_block() -> int:
+    codes = torch.randint(0, 16, (64, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+    for block in (64, 32):
+        if torch.equal(pack_int4_blocked(codes, block), packed):
+            return block
+    raise RuntimeError("torch's _convert_weight_to_int4pack_for_cpu packs in a layout minfer does not know")
+
+
+def int4pack_block(device: torch.device | str) -> int:
+    """Rows per block of the layout `pack_int4` writes on `device`: 64 on a GPU; on a CPU what torch's op uses
+    there (4 float vectors: 64 with AVX-512, 32 with AVX2), found once by packing a known tensor.
+
+    Raises:
+        RuntimeError: the CPU op's layout is neither (a torch this code does not know)."""
+    return _cpu_int4pack_block() if torch.device(device).type == "cpu" else GPU_INT4PACK_BLOCK
+
+
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """codes uint8 [out, in] -> the packed `uint8 [out, in/2]` of `_convert_weight_to_int4pack_for_cpu`
-    (on a CPU, the op itself; elsewhere, for `out % 64 == 0`, `pack_int4_blocked`: the same bytes, which the
-    GPU's Triton W4A16 kernel reads)."""
+    (on a CPU, the op itself, in blocks of `int4pack_block("cpu")` rows; elsewhere, for `out % 64 == 0`,
+    `pack_int4_blocked` with 64-row blocks, which the GPU's Triton W4A16 kernel reads)."""
     if codes.device.type != "cpu":
         return pack_int4_blocked(codes)
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
 
 
-def pack_int4_blocked(codes: torch.Tensor) -> torch.Tensor:
-    """codes uint8 [out, in] (out % 64 == 0) -> the op's layout (module docstring) in plain torch, on any device:
-    byte [b, k, i] = row 64b+i | row 64b+32+i << 4. The inverse of `unpack_int4`."""
+def pack_int4_blocked(codes: torch.Tensor, block: int = GPU_INT4PACK_BLOCK) -> torch.Tensor:
+    """codes uint8 [out, in] (out % block == 0) -> the op's layout (module docstring) in plain torch, on any
+    device: byte [b, k, i] = row block*b+i | row block*b+block/2+i << 4. The inverse of `unpack_int4`."""
     out, k = codes.shape
-    c = codes.to(torch.uint8).view(out // 64, 2, 32, k)  # [blocks, low/high half, 32 rows, in]
+    c = codes.to(torch.uint8).view(out // block, 2, block // 2, k)  # [blocks, low/high half, rows, in]
     return (c[:, 0] | (c[:, 1] << 4)).permute(0, 2, 1).reshape(out, k // 2).contiguous()
 
 
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """The inverse of `pack_int4` for `out % 64 == 0` (the layout in the module docstring): `[out, in]` codes."""
+def unpack_int4(packed: torch.Tensor, block: int = GPU_INT4PACK_BLOCK) -> torch.Tensor:
+    """The inverse of `pack_int4_blocked(codes, block)` for `out % block == 0` (the layout in the module
+    docstring; `pack_int4`'s on a device is `block=int4pack_block(device)`): `[out, in]` codes."""
     out, half = packed.shape
-    b = packed.view(out // 64, 2 * half, 32)  # [blocks, in, 32 bytes]
-    q = torch.cat([b & 15, b >> 4], dim=-1)  # [blocks, in, 64 rows]
+    b = packed.view(out // block, 2 * half, block // 2)  # [blocks, in, block/2 bytes]
+    q = torch.cat([b & 15, b >> 4], dim=-1)  # [blocks, in, block rows]
     return q.permute(0, 2, 1).reshape(out, 2 * half)
 
 
@@ -126,6 +152,7 @@ class Int4LinearMethod(QuantizedLinearMethod):
         layer.group_size = codes.shape[1] // scale.shape[1]
         store(layer, "scales_and_zeros", torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous())
         layer.int4_packed = out % 64 == 0  # the op's layout is read back by unpack_int4 only for these
+        layer.int4_block = int4pack_block(codes.device)  # rows per block of that layout here
         layer.int4_kernel = out % 16 == 0 and codes.device.type == "cpu"  # the CPU op needs out % 16 == 0
         if layer.int4_packed:
             store(layer, "qweight", pack_int4(codes))
@@ -155,7 +182,7 @@ class Int4LinearMethod(QuantizedLinearMethod):
         if getattr(layer, "qg_format", None) is not None:
             return self.cpu_kernel.unpack_rows(layer, torch.arange(layer.qg_format[4]))[0].to(torch.uint8)
         if layer.int4_packed:
-            return unpack_int4(layer.qweight)
+            return unpack_int4(layer.qweight, layer.int4_block)
         q = layer.qweight
         return torch.stack([q & 15, q >> 4], dim=-1).reshape(q.shape[0], -1)
 
@@ -170,7 +197,9 @@ class Int4LinearMethod(QuantizedLinearMethod):
         batch size (it reads the codes in either layout; the CPU's two routes do not apply there)."""
         from minfer.kernels.w4a16 import w4a16_matmul
 
-        if getattr(layer, "qg_format", None) is not None:  # packed for the CPU's integer GEMM: the op's layout back
+        if getattr(layer, "qg_format", None) is not None or (
+                layer.int4_packed and layer.int4_block != GPU_INT4PACK_BLOCK):
+            # packed for the CPU's integer GEMM, or in the CPU op's 32-row (AVX2) blocks: the kernel's layout back
             codes = self.codes(layer)
             qweight = pack_int4_blocked(codes) if layer.int4_packed else (codes[:, 0::2] | (codes[:, 1::2] << 4))
             sz = self.scales_and_zeros(layer).contiguous()
