@@ -207,6 +207,37 @@ def test_echo_with_a_long_prompt(server):
 @needs_default_model
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+def test_detokenize_with_a_huge_id_list(server):
+    """A break-it trial's row: /detokenize with 1.5 M ids (a 10 MB body) was parsed, checked and answered on the
+    event loop, and /health waited seconds behind it."""
+    r = _holds(server, "/detokenize", {"tokens": [49151] * 1_500_000})
+    assert len(r.json()["prompt"]) > 0
+
+
+@needs_default_model
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_tokenize_with_a_million_token_strings(server):
+    """A break-it trial's row: /tokenize with `return_token_strs` built and serialised a million token strings on
+    the event loop (here 150,000 characters, within this server's character limit: 250,000 tokens)."""
+    r = _holds(server, "/tokenize", {"prompt": "一丁七" * 50_000, "return_token_strs": True})
+    assert r.json()["count"] == len(r.json()["token_strs"]) > 100_000
+
+
+@needs_default_model
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_echo_of_many_token_id_prompts(server):
+    """A break-it trial's row: echo decoded (and range-checked) every token-id prompt on the event loop before the
+    engine refused the request (here 64 prompts of 2,000 ids: the context check refuses them, in one line)."""
+    r = _holds(server, "/v1/completions", {"prompt": [[100 + i % 5000 for i in range(2000)]] * 64,
+                                           "max_tokens": 100, "echo": True})
+    assert r.status_code == 400
+
+
+@needs_default_model
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_beam_search_beside_a_stream(server):
     """Row "beam width 128" (here 16 beams, 6 tokens)."""
     _holds(server, "/v1/completions", {"prompt": "Hello", "n": 16, "use_beam_search": True, "max_tokens": 6,

@@ -16,11 +16,12 @@ tools find them.
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from minfer.serve.limits import check_message_chars, check_prompt_chars, read_body, require_json
+from minfer.serve.limits import check_message_chars, check_prompt_chars, read_json_body, require_json
 from minfer.serve.protocol import (
-    APIError, _get_bool, chat_template_options, echo, normalize_messages, parse_json_body, resolve_model)
+    APIError, _get_bool, chat_template_options, echo, normalize_messages, resolve_model)
 
 router = APIRouter()
 OPEN_PATHS = frozenset({"/ping"})  # open even with --api-key, as /health
@@ -87,7 +88,7 @@ async def tokenize(request: Request):
     (rendered with the chat template; `add_special_tokens` defaults to false there, as in vLLM)."""
     serving = _serving(request)
     require_json(request)
-    body = parse_json_body(await read_body(request, serving.limits))
+    body = await read_json_body(request, serving.limits)
     resolve_model(body, serving.served_model_names)
     tok = serving.engine.tokenizer
     strs = _get_bool(body, "return_token_strs", False)
@@ -109,14 +110,18 @@ async def tokenize(request: Request):
         def fn():
             text = tok.apply_chat_template(messages, **options)
             return tok.encode(text, add_special_tokens=special)
-    try:
-        ids = await run_in_threadpool(fn)
-    except (ValueError, TypeError, KeyError) as exc:
-        raise APIError(400, f"could not tokenize: {exc}", param="prompt" if "prompt" in body else "messages") from None
-    out = {"count": len(ids), "max_model_len": serving.max_model_len, "tokens": list(ids)}
-    if strs:
-        out["token_strs"] = [serving.tok_text(t) for t in ids]
-    return out
+    def answer():  # in a worker thread, the answer's JSON too: a million token strings must not hold the loop
+        try:
+            ids = fn()
+        except (ValueError, TypeError, KeyError) as exc:
+            raise APIError(400, f"could not tokenize: {exc}",
+                           param="prompt" if "prompt" in body else "messages") from None
+        out = {"count": len(ids), "max_model_len": serving.max_model_len, "tokens": list(ids)}
+        if strs:
+            out["token_strs"] = [serving.tok_text(t) for t in ids]
+        return JSONResponse(out)
+
+    return await run_in_threadpool(answer)
 
 
 @router.post("/detokenize")
@@ -124,17 +129,21 @@ async def detokenize(request: Request):
     """vLLM's /detokenize: token ids -> text (special tokens kept, as vLLM's default)."""
     serving = _serving(request)
     require_json(request)
-    body = parse_json_body(await read_body(request, serving.limits))
+    body = await read_json_body(request, serving.limits)
     resolve_model(body, serving.served_model_names)
     ids = body.get("tokens")
     vocab = getattr(serving.engine.model_config, "vocab_size", None) or getattr(serving.engine.tokenizer,
                                                                                 "vocab_size", None)
-    if (not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids)
-            or (vocab is not None and any(not 0 <= t < vocab for t in ids))):
-        raise APIError(400, f"tokens must be a list of token ids (integers in [0, {vocab})), got {echo(ids)}",
-                       param="tokens")
-    try:
-        text = await run_in_threadpool(serving.engine.tokenizer.decode, ids, skip_special_tokens=False)
-    except (ValueError, TypeError, OverflowError) as exc:
-        raise APIError(400, f"could not detokenize: {exc}", param="tokens") from None
-    return {"prompt": text}
+
+    def answer():  # in a worker thread: millions of ids to check and decode must not hold the event loop
+        if (not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids)
+                or (vocab is not None and any(not 0 <= t < vocab for t in ids))):
+            raise APIError(400, f"tokens must be a list of token ids (integers in [0, {vocab})), got {echo(ids)}",
+                           param="tokens")
+        try:
+            text = serving.engine.tokenizer.decode(ids, skip_special_tokens=False)
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise APIError(400, f"could not detokenize: {exc}", param="tokens") from None
+        return {"prompt": text}
+
+    return await run_in_threadpool(answer)

@@ -49,11 +49,11 @@ from minfer.serve.beam_search import beam_search_params, beam_search_requested, 
 from minfer.serve.engine_loop import EngineLoop
 from minfer.serve.limits import (
     FramingMiddleware, ServerLimits, check_fan_out, check_message_chars, check_prompt_chars, check_rendered_chars,
-    check_tool_chars, read_body, require_json)
+    check_tool_chars, read_json_body, require_json)
 from minfer.serve.metrics import ServerMetrics
 from minfer.serve.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS, APIError, chat_template_options, context_overflow, echo_setting, normalize_messages,
-    parse_json_body, parse_prompts, resolve_model, sampling_params)
+    parse_prompts, resolve_model, sampling_params)
 from minfer.serve.fallbacks import FallbackConfig, truncate_prompt_tokens_setting
 from minfer.serve.legacy_api import router as legacy_router
 from minfer.serve.ops_routes import router as ops_router
@@ -111,14 +111,8 @@ async def _read(request: Request) -> tuple[OpenAIServing, dict, str]:
     time limits), the model."""
     serving = _serving(request)
     require_json(request)
-    raw = await read_body(request, serving.limits)
-    # A large body is parsed in a worker thread: the event loop (and /health with it) keeps answering while
-    # megabytes of JSON are read (issue 28: /health waited behind 2 M stop ids).
-    body = parse_json_body(raw) if len(raw) < OFF_LOOP_BYTES else await run_in_threadpool(parse_json_body, raw)
+    body = await read_json_body(request, serving.limits)  # a large body is parsed in a worker thread
     return serving, body, resolve_model(body, serving.served_model_names)
-
-
-OFF_LOOP_BYTES = 64 * 1024  # bodies from this size on are parsed, and their sampling params checked, off the loop
 
 
 async def _off_loop(body: dict, fn, *args, **kwargs):
@@ -179,14 +173,18 @@ async def completions(request: Request):
     echo_on, score_only = echo_setting(body)
     echo_prompts = None
     if echo_on:  # a prompt given as token ids is echoed as their text
-        vocab = serving.engine.model_config.vocab_size
-        for ids in prompts:  # checked before decoding: the tokenizer overflows on ids outside [0, 2**32)
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise APIError(400, f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}",
-                               param="prompt")
-        echo_prompts = [t if isinstance(t, str) else serving.engine.tokenizer.decode(ids, skip_special_tokens=False)
-                        for t, ids in zip(texts, prompts)]
+
+        def echo_texts():  # in a worker thread: millions of ids to check and decode must not hold the loop
+            vocab = serving.engine.model_config.vocab_size
+            for ids in prompts:  # checked before decoding: the tokenizer overflows on ids outside [0, 2**32)
+                bad = [t for t in ids if not 0 <= t < vocab]
+                if bad:
+                    raise APIError(400, f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}",
+                                   param="prompt")
+            return [t if isinstance(t, str) else serving.engine.tokenizer.decode(ids, skip_special_tokens=False)
+                    for t, ids in zip(texts, prompts)]
+
+        echo_prompts = await run_in_threadpool(echo_texts)
     return await serving.generate(request, body, prompts, params, chat=False, model=model, id_prefix="cmpl",
                                   default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS, echo_prompts=echo_prompts,
                                   score_only=score_only)
