@@ -223,7 +223,8 @@ class CpuPlatform(Platform):
 
     def linear_method(self) -> LinearMethodBase:
         """"nn" on the reference path; else `MINFER_LINEAR_LAYOUT` if set, "hybrid" for float32, or bfloat16 where
-        oneDNN's bfloat16 product runs on this CPU (`onednn_supports`), "split" otherwise. Raises ValueError for a bad override.
+        oneDNN's bfloat16 product runs on this CPU (`onednn_supports`), "split" otherwise. Raises ValueError for a
+        bad override.
 
         bfloat16 took "split" (a batched matmul) until issue 18's profile of a bfloat16 server: there the
         linears of a 16-row decode step ran at 6-52 GFLOP/s through `bmm`, oneDNN's packed bfloat16 product at

@@ -20,10 +20,10 @@ Stored on a CPU where the C++ kernel builds: the integer GEMM's tiles (`minfer.c
 (q - 8) s + z with s and z bfloat16 per group; 0.5 + 4/G bytes per weight), which every batch size runs
 (activations quantized to int8 blocks of 32; `minfer.quantization.base`). Elsewhere: `qweight uint8 [out,
 in/2]` in the op's packed layout (for `out % 64 == 0`: blocks of B rows, byte `[b, k, i]` = row Bb+i in
-the low nibble, row Bb+B/2+i in the high one; B is 64 on a GPU and on an AVX-512 CPU, 32 on an AVX2 one, since
-torch's CPU op sizes its blocks by the vector width: `int4pack_block`) and `scales_and_zeros bfloat16 [in/G, out, 2]`, for torch's
-packed op, the dequantize route or the GPU's Triton W4A16 kernel (`device_kernel` rebuilds these from the
-tiles for a layer packed on the CPU).
+the low nibble, row Bb+B/2+i in the high one; B is 64 on a GPU and on an AVX-512 CPU, 32 on an AVX2 one,
+since torch's CPU op sizes its blocks by the vector width: `int4pack_block`) and `scales_and_zeros bfloat16
+[in/G, out, 2]`, for torch's packed op, the dequantize route or the GPU's Triton W4A16 kernel (`device_kernel`
+rebuilds these from the tiles for a layer packed on the CPU).
 """
 
 from __future__ import annotations

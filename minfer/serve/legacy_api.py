@@ -27,8 +27,8 @@ from minfer.serve.fallbacks import (
     Deadline, GatedGroup, events_until, request_timeout_setting, timed_out_snapshots, truncate_prompt_tokens_setting,
     truncate_prompts)
 from minfer.serve.guided import check as check_guided
-from minfer.serve.limits import check_fan_out, check_prompt_chars, read_body, require_json
-from minfer.serve.protocol import APIError, echo, fit_max_tokens, param_of, parse_json_body
+from minfer.serve.limits import check_fan_out, check_prompt_chars, read_json_body
+from minfer.serve.protocol import APIError, echo, fit_max_tokens, param_of
 from minfer.serve.serving import _collect_unless_disconnected, _SSEResponse
 
 router = APIRouter()
@@ -59,8 +59,7 @@ def legacy_sampling_params(body: dict) -> SamplingParams:
 @router.post("/generate")
 async def generate(request: Request):
     serving = request.app.state.serving
-    require_json(request)
-    body = parse_json_body(await read_body(request, serving.limits))
+    body = await read_json_body(request, serving.limits)
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         raise APIError(400, f"prompt must be a non-empty string, got {echo(prompt)}", param="prompt")

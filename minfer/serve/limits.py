@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass
 
 import anyio
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 
 from minfer.serve.protocol import APIError, context_overflow, parse_json_body
@@ -151,14 +152,13 @@ OFF_LOOP_BYTES = 64 * 1024  # bodies from this size on are parsed (and their hea
 
 
 async def read_json_body(request: Request, limits: ServerLimits) -> dict:
-    """`read_body`, then the JSON object, parsed in a worker thread from `OFF_LOOP_BYTES` on: the event loop
-    (and /health with it) keeps answering while megabytes of JSON are read (issue 28: /health waited behind
-    2 M stop ids, and behind a 16 MB /detokenize body).
+    """What every JSON route reads first: `require_json`, `read_body`, then the JSON object, parsed in a worker
+    thread from `OFF_LOOP_BYTES` on, so the event loop (and /health with it) keeps answering while megabytes
+    of JSON are read (issue 28: /health waited behind 2 M stop ids, and behind a 16 MB /detokenize body).
 
     Raises:
-        APIError: as `read_body` and `parse_json_body`."""
-    from starlette.concurrency import run_in_threadpool
-
+        APIError: as `require_json`, `read_body` and `parse_json_body`."""
+    require_json(request)
     raw = await read_body(request, limits)
     return parse_json_body(raw) if len(raw) < OFF_LOOP_BYTES else await run_in_threadpool(parse_json_body, raw)
 

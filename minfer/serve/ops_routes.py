@@ -19,7 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from minfer.serve.limits import check_message_chars, check_prompt_chars, read_json_body, require_json
+from minfer.serve.limits import check_message_chars, check_prompt_chars, read_json_body
 from minfer.serve.protocol import (
     APIError, _get_bool, chat_template_options, echo, normalize_messages, resolve_model)
 
@@ -87,7 +87,6 @@ async def tokenize(request: Request):
     """vLLM's /tokenize: a prompt (special tokens added unless `add_special_tokens: false`) or chat messages
     (rendered with the chat template; `add_special_tokens` defaults to false there, as in vLLM)."""
     serving = _serving(request)
-    require_json(request)
     body = await read_json_body(request, serving.limits)
     resolve_model(body, serving.served_model_names)
     tok = serving.engine.tokenizer
@@ -128,7 +127,6 @@ async def tokenize(request: Request):
 async def detokenize(request: Request):
     """vLLM's /detokenize: token ids -> text (special tokens kept, as vLLM's default)."""
     serving = _serving(request)
-    require_json(request)
     body = await read_json_body(request, serving.limits)
     resolve_model(body, serving.served_model_names)
     ids = body.get("tokens")

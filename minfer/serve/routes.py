@@ -49,7 +49,7 @@ from minfer.serve.beam_search import beam_search_params, beam_search_requested, 
 from minfer.serve.engine_loop import EngineLoop
 from minfer.serve.limits import (
     FramingMiddleware, ServerLimits, check_fan_out, check_message_chars, check_prompt_chars, check_rendered_chars,
-    check_tool_chars, read_json_body, require_json)
+    check_tool_chars, read_json_body)
 from minfer.serve.metrics import ServerMetrics
 from minfer.serve.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS, APIError, chat_template_options, context_overflow, echo_setting, normalize_messages,
@@ -110,7 +110,6 @@ async def _read(request: Request) -> tuple[OpenAIServing, dict, str]:
     """What both generation routes read first, in this order: the body (declared JSON, within the size and
     time limits), the model."""
     serving = _serving(request)
-    require_json(request)
     body = await read_json_body(request, serving.limits)  # a large body is parsed in a worker thread
     return serving, body, resolve_model(body, serving.served_model_names)
 
