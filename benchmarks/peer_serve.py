@@ -19,9 +19,18 @@ Six servers, each started in turn and stopped before the next one starts (one se
   llama.cpp's fast x86 kernels take. `benchmarks/build_llama_cpp.sh` builds llama-server and that file.
 
 Each round starts every server once (llama-server once per concurrency, see below) and drives it at each
-`--concurrency` with `vllm bench serve --backend openai --endpoint /v1/completions` (random dataset, same seed
-so every server gets the same prompts, `--ignore-eos`, `--temperature 0`) and, with `--minfer-client`, with
-minfer's own load client (`minfer.bench.serve.run_benchmark`) as a second opinion. Rounds alternate the
+`--concurrency` with `vllm bench serve --backend openai --endpoint /v1/completions` (random dataset, `--ignore-eos`,
+`--temperature 0`) and, with `--minfer-client`, with minfer's own load client (`minfer.bench.serve.run_benchmark`)
+as a second opinion.
+
+Prompts: every server gets the same prompts at the same concurrency and client, and no prompt is sent twice to one
+server start. `vllm bench serve`'s random dataset draws request i's prompt from the seed alone, whatever
+`--num-prompts` is, so with one seed for every run the 32 prompts at 16 streams would begin with the 16 already
+sent at 1 stream, and the 128 at 64 streams with those 32. vLLM caches prompt prefixes by default
+(`--enable-prefix-caching`) and would skip their prefill: an earlier version of this script gave vLLM a prefix-cache
+hit on half the prompts at 16 streams and a quarter at 64. So each (concurrency, client) pair has its own seed
+(`run_seed`), and each run records the server's prefix-cache counters (`prefix_cache`: prompt tokens looked up
+and found, from /metrics) to show that nothing was reused. Rounds alternate the
 servers (A B C ... A B C ...), so the slow drift of a shared machine hits all of them alike; the medians over
 rounds are compared. The 1-minute load average is recorded before and after every client run.
 
@@ -137,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--output-len", type=int, default=48, help="generated tokens (ignore_eos)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sampling temperature vllm bench sends (0: greedy, the same work on every server)")
-    ap.add_argument("--seed", type=int, default=0, help="the random dataset's seed (same prompts everywhere)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="base of the random dataset's seeds (each concurrency and client adds its own offset)")
     ap.add_argument("--max-model-len", type=int, default=1024, help="context per sequence, every server")
     ap.add_argument("--max-num-seqs", type=int, default=0,
                     help="minfer's and vLLM's --max-num-seqs (0: the largest --concurrency)")
@@ -232,10 +242,16 @@ def vllm_bench_cmd(args, url: str, concurrency: int, result_dir: str) -> list[st
             "--base-url", url, "--model", NAME, "--tokenizer", str(args.model_dir), "--dataset-name", "random",
             "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
             "--num-prompts", str(num_prompts(args, concurrency)), "--max-concurrency", str(concurrency),
-            "--ignore-eos", "--temperature", str(args.temperature), "--seed", str(args.seed),
+            "--ignore-eos", "--temperature", str(args.temperature), "--seed", str(run_seed(args, concurrency, "client_vllm")),
             "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "99",
             "--ready-check-timeout-sec", "0", "--save-result", "--save-detailed", "--result-dir", result_dir,
             "--result-filename", "result.json", "--disable-tqdm"]
+
+
+def run_seed(args, concurrency: int, client: str) -> int:
+    """The random dataset's seed for one run: the same on every server, different for every (concurrency, client)
+    pair of one server start, so no server sees a prompt twice (see the module docstring)."""
+    return args.seed + 1000 * args.concurrency.index(concurrency) + (0 if client == "client_vllm" else 500)
 
 
 def starts(args) -> list[tuple[int, Server, int, list[int]]]:
@@ -350,22 +366,46 @@ def counter_value(metrics_text: str, name: str) -> float | None:
     return total if seen else None
 
 
-def server_generated(url: str, engine: str) -> float | None:
-    """Tokens the server says it generated so far (its /metrics counter), None if it cannot tell."""
+# prompt tokens looked up in / found in the prefix cache (llama-server has no such counter)
+PREFIX_COUNTERS = {"minfer": ("minfer:prefix_cache_queries_total", "minfer:prefix_cache_hits_total"),
+                   "vllm": ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")}
+
+
+def metrics_text(url: str) -> str | None:
     import httpx
 
     try:
         r = httpx.get(url + "/metrics", timeout=10)
-        return counter_value(r.text, GENERATED_COUNTER[engine]) if r.status_code == 200 else None
+        return r.text if r.status_code == 200 else None
     except httpx.HTTPError:
         return None
+
+
+def server_generated(url: str, engine: str) -> float | None:
+    """Tokens the server says it generated so far (its /metrics counter), None if it cannot tell."""
+    text = metrics_text(url)
+    return None if text is None else counter_value(text, GENERATED_COUNTER[engine])
+
+
+def prefix_cache_counts(url: str, engine: str) -> dict | None:
+    """{"queries": prompt tokens looked up, "hits": found} so far by the server's /metrics; None if it has none."""
+    text = metrics_text(url) if engine in PREFIX_COUNTERS else None
+    if text is None:
+        return None
+    queries, hits = (counter_value(text, name) for name in PREFIX_COUNTERS[engine])
+    return None if queries is None or hits is None else {"queries": queries, "hits": hits}
+
+
+def counts_since(before: dict | None, after: dict | None) -> dict | None:
+    return None if before is None or after is None else {k: int(after[k] - before[k]) for k in before}
 
 
 def run_minfer_client(args, url: str, concurrency: int) -> dict:
     from minfer.bench.serve import run_benchmark
 
     r = run_benchmark(url, num_prompts=num_prompts(args, concurrency), max_concurrency=concurrency,
-                      input_len=args.input_len, output_len=args.output_len, seed=args.seed, vocab_size=VOCAB_SIZE,
+                      input_len=args.input_len, output_len=args.output_len,
+                      seed=run_seed(args, concurrency, "client_minfer"), vocab_size=VOCAB_SIZE,
                       model=NAME, disable_tqdm=True, poll_stats=False)
     res = {k: r.get(k) for k in METRICS if k != "duration"}
     res["duration"] = r.get("duration_s")
@@ -407,8 +447,10 @@ def measure_start(args, rnd: int, server: Server, slots: int, concurrencies: lis
                     clients.append(("client_minfer", run_minfer_client))
                 for key, fn in clients:
                     before, tokens_before = load_average(), server_generated(url, server.engine)
+                    cache_before = prefix_cache_counts(url, server.engine)
                     res = fn(args, url, c)
                     res["load_average_before_after"] = [before, load_average()]
+                    res["prefix_cache"] = counts_since(cache_before, prefix_cache_counts(url, server.engine))
                     res["server_output_tokens"] = generated_since(url, server.engine, tokens_before,
                                                                   num_prompts(args, c) * args.output_len)
                     if (res.get("_detail") and res.get("total_output_tokens") is not None and not res.get("failed")
@@ -446,7 +488,8 @@ def fmt_run(res: dict) -> str:
         return f"FAILED {res.get('error', '')[:300]}"
     return (f"{res['output_throughput']:7.1f} tok/s  TTFT {res['mean_ttft_ms']:8.1f} ms (p99 {res['p99_ttft_ms']:8.1f})"
             f"  TPOT {res['mean_tpot_ms']:7.1f} ms (p99 {res['p99_tpot_ms']:7.1f})"
-            f"  out tokens {res['total_output_tokens']}")
+            f"  out tokens {res['total_output_tokens']}"
+            + (f"  prefix-cache hits {pc['hits']}/{pc['queries']}" if (pc := res.get("prefix_cache")) else ""))
 
 
 # ---------------------------------------------------------------------------------------------------------------

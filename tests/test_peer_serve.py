@@ -71,6 +71,30 @@ def test_server_commands():
     assert "--metrics" in llama  # its generated-token counter
 
 
+def test_no_server_start_sees_a_prompt_twice_and_every_server_the_same_prompts():
+    """vllm bench's random dataset draws prompt i from the seed alone: with one seed for every run, the runs at 16
+    and 64 streams would resend the earlier runs' prompts, and vLLM's default prefix cache would skip their prefill."""
+    a = args("--concurrency", "1,16,64")
+    seeds = [peer_serve.run_seed(a, c, client) for c in (1, 16, 64) for client in ("client_vllm", "client_minfer")]
+    assert len(set(seeds)) == len(seeds)
+    assert [peer_serve.run_seed(a, c, "client_vllm") for c in (1, 16, 64)] == [0, 1000, 2000]
+    for c in (1, 16, 64):
+        bench = peer_serve.vllm_bench_cmd(a, "http://127.0.0.1:8123", c, "/out")
+        assert bench[bench.index("--seed") + 1] == str(peer_serve.run_seed(a, c, "client_vllm"))
+    assert peer_serve.run_seed(args("--seed", "7", "--concurrency", "1,16,64"), 16, "client_vllm") == 1007
+
+
+def test_prefix_cache_counters_are_read_from_metrics(monkeypatch):
+    text = ('vllm:prefix_cache_queries_total{engine="0",model_name="smollm2"} 3072.0\n'
+            'vllm:prefix_cache_hits_total{engine="0",model_name="smollm2"} 1536.0\n')
+    monkeypatch.setattr(peer_serve, "metrics_text", lambda url: text)
+    before = peer_serve.prefix_cache_counts("http://x", "vllm")
+    assert before == {"queries": 3072.0, "hits": 1536.0}
+    assert peer_serve.prefix_cache_counts("http://x", "llama") is None
+    assert peer_serve.counts_since({"queries": 100.0, "hits": 0.0}, before) == {"queries": 2972, "hits": 1536}
+    assert peer_serve.counts_since(None, before) is None
+
+
 def test_dry_run_prints_every_start(capsys):
     assert peer_serve.main([*Q4_1, "--dry-run", "--rounds", "1", "--concurrency", "1,4"]) == 0
     out = capsys.readouterr().out
