@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sampling temperature vllm bench sends (0: greedy, the same work on every server)")
     ap.add_argument("--seed", type=int, default=0,
                     help="base of the random dataset's seeds (each concurrency and client adds its own offset)")
+    ap.add_argument("--same-seed", action="store_true",
+                    help="one seed for every run, as this script had (later runs resend earlier prompts: shows the "
+                         "prefix-cache hits it gave vLLM)")
     ap.add_argument("--max-model-len", type=int, default=1024, help="context per sequence, every server")
     ap.add_argument("--max-num-seqs", type=int, default=0,
                     help="minfer's and vLLM's --max-num-seqs (0: the largest --concurrency)")
@@ -251,6 +254,8 @@ def vllm_bench_cmd(args, url: str, concurrency: int, result_dir: str) -> list[st
 def run_seed(args, concurrency: int, client: str) -> int:
     """The random dataset's seed for one run: the same on every server, different for every (concurrency, client)
     pair of one server start, so no server sees a prompt twice (see the module docstring)."""
+    if args.same_seed:  # the old behaviour, kept to show what it did
+        return args.seed
     return args.seed + 1000 * args.concurrency.index(concurrency) + (0 if client == "client_vllm" else 500)
 
 

@@ -82,6 +82,8 @@ def test_no_server_start_sees_a_prompt_twice_and_every_server_the_same_prompts()
         bench = peer_serve.vllm_bench_cmd(a, "http://127.0.0.1:8123", c, "/out")
         assert bench[bench.index("--seed") + 1] == str(peer_serve.run_seed(a, c, "client_vllm"))
     assert peer_serve.run_seed(args("--seed", "7", "--concurrency", "1,16,64"), 16, "client_vllm") == 1007
+    same = args("--same-seed", "--seed", "3")
+    assert {peer_serve.run_seed(same, c, k) for c in (1, 16, 64) for k in ("client_vllm", "client_minfer")} == {3}
 
 
 def test_prefix_cache_counters_are_read_from_metrics(monkeypatch):
