@@ -640,6 +640,10 @@ def main(argv=None) -> int:
         print(f"missing: {', '.join(missing)} (vLLM: see peer_vllm_serve.py's docstring; llama-server and the "
               "Q4_0 file: benchmarks/build_llama_cpp.sh; the HF directory: peer_vllm_serve.export_hf_dir)")
         return 2
+    sys.path.insert(0, str(Path(__file__).parent))
+    from peer_vllm_serve import ensure_vllm_metadata
+
+    ensure_vllm_metadata(args.vllm)  # vllm bench drives every run, and its CLI asks for `vllm`'s version
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="peer-serve-logs-")
     Path(log_dir).mkdir(parents=True, exist_ok=True)
     print(f"server logs in {log_dir}", flush=True)
