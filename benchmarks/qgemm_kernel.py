@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"threads": args.threads, "copies_at_1_row": args.copies, "best_isa": best_isa(),
               "load_average_1min": load, "load_average_1min_after": os.getloadavg()[0],
               "cpus": os.cpu_count(), "torch": torch.__version__,
-              "note": "shared 2-core machine (other jobs ran beside it); compare routes within a row",
+              "note": "the load average before and after says what else ran; compare routes within a row",
               "rows": out_rows}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -139,7 +139,7 @@ def run(model: str = "smollm2-135m-instruct", new_tokens: int = 64, repeats: int
     res["load_average_1min_before_after"] = [load_before[0], os.getloadavg()[0]]
     res["cpus"] = os.cpu_count()
     if quant:
-        res["note"] = ("measured on a shared 2-core machine (other jobs running; see the load average): "
+        res["note"] = ("absolute speeds depend on the CPU and on what else runs (see the load average): "
                        "compare ratios from the same run")
     return res
 

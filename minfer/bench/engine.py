@@ -712,6 +712,7 @@ def main(argv: list[str] | None = None) -> int:
     except ModelNotFoundError as e:
         print(f"the default model is missing: {e}")
         return 1
+    load_before = round(os.getloadavg()[0], 2)
     if args.quantization:
         t0 = time.perf_counter()
         res = dict(env=environment(), quick=bool(args.quick),
@@ -724,7 +725,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         res = run_all(s, parts, progress=not args.no_progress)
         print(format_report(res))
-    print(f"\n(total {res['elapsed_s']:.0f} s)")
+    res["load_average_1min_before_after"] = [load_before, round(os.getloadavg()[0], 2)]
+    print(f"\n(total {res['elapsed_s']:.0f} s, load average {load_before} -> {res['load_average_1min_before_after'][1]})")
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)

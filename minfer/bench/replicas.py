@@ -321,8 +321,10 @@ def main(argv: list[str] | None = None) -> int:
     s = Settings.quick() if a.quick else Settings()
     args = EngineArgs(model=a.model, max_model_len=a.max_model_len)
     result = {"benchmark": "replicas", "model": a.model, "machine": platform.machine(), "cpu_count": os.cpu_count(),
-              "note": "measured on a shared 2-core machine (other jobs running): compare ratios within this run",
-              "targets": TARGETS, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+              "note": "absolute times depend on the machine and what else runs on it (the 1-minute load average "
+                      "before and after is recorded): compare ratios within this run",
+              "targets": TARGETS, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "load_average_1min_before_after": [round(os.getloadavg()[0], 2)]}
     if "hit_rate" in parts:
         print("prefix-cache hit rate per routing policy (shared system prompts)")
         result["hit_rate"] = run_hit_rate(args, s, in_process=a.in_process)
@@ -332,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     if "throughput" in parts:
         print("throughput, 1 vs 2 replicas")
         result["throughput"] = run_throughput(args, s, in_process=a.in_process)
+    result["load_average_1min_before_after"].append(round(os.getloadavg()[0], 2))
     if a.json:
         old = json.loads(Path(a.json).read_text()) if Path(a.json).is_file() else {}
         for part in PARTS:  # a part not run this time keeps its earlier result, with that run's time
