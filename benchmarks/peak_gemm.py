@@ -8,9 +8,9 @@ ceiling is to what this CPU's float32 units give.
 import argparse
 import json
 import os
-import time
-
 import torch
+
+from minfer.bench import best_time
 
 
 def measure(sizes=(1024, 2048, 3072), threads: int = 2, repeats: int = 5) -> dict:
@@ -22,13 +22,7 @@ def measure(sizes=(1024, 2048, 3072), threads: int = 2, repeats: int = 5) -> dic
         packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, n), n)
         for name, fn in (("mm", lambda: torch.mm(a, b)),
                          ("onednn", lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))):
-            fn()
-            best = float("inf")
-            for _ in range(repeats):
-                t = time.perf_counter()
-                fn()
-                best = min(best, time.perf_counter() - t)
-            res[f"{name}_{n}_gflops"] = 2 * n**3 / best / 1e9
+            res[f"{name}_{n}_gflops"] = 2 * n**3 / best_time(fn, repeats) / 1e9
     res["load_after"] = os.getloadavg()[0]
     return res
 
