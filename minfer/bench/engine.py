@@ -522,8 +522,8 @@ def format_quant_report(res: dict) -> str:
     env, r = res.get("env", {}), res["quant_throughput"]
     st = r["settings"]
     lines = [f"minfer engine throughput with quantized weights - {env.get('model')} on {env.get('device')}, "
-             f"torch {env.get('torch')}, {env.get('threads')} threads, {env.get('cpus')} CPUs (shared machine: "
-             "absolute figures are noisy; the ratios are measured in the same run)",
+             f"torch {env.get('torch')}, {env.get('threads')} threads, {env.get('cpus')} CPUs (absolute figures depend "
+             "on the machine and its load; the ratios are measured in the same run)",
              f"{st['num_requests']} requests, prompts {st['prompt_len'][0]}-{st['prompt_len'][1]} tokens, outputs "
              f"{st['output_len'][0]}-{st['output_len'][1]} (random ids, greedy, ignore_eos), all queued at once",
              f"    {'weights':9s} {'seconds':>8s} {'out tok/s':>10s} {'vs float32':>11s} {'rows/step (median)':>19s} "
@@ -552,7 +552,7 @@ def format_report(res: dict) -> str:
     if env:
         lines.append(f"minfer engine benchmark - {env.get('model')} float32 on {env.get('device')}, "
                      f"torch {env.get('torch')}, {env.get('threads')} threads, {env.get('cpus')} CPUs "
-                     f"(shared machine: absolute figures are noisy, the ratios are measured in the same run)")
+                     f"(absolute figures depend on the machine and its load, the ratios are measured in the same run)")
     if "throughput" in res:
         r = res["throughput"]
         st = r["settings"]
