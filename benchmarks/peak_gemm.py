@@ -28,7 +28,7 @@ def measure(sizes=(1024, 2048, 3072), threads: int = 2, repeats: int = 5) -> dic
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", default=None, help="write the result here")
     args = ap.parse_args()
     res = measure()

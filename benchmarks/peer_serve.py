@@ -23,8 +23,9 @@ Each round starts every server once (llama-server once per concurrency, see belo
 `--temperature 0`) and, with `--minfer-client`, with minfer's own load client (`minfer.bench.serve.run_benchmark`)
 as a second opinion.
 
-Prompts: every server gets the same prompts at the same concurrency and client, and no prompt is sent twice to one
-server start. `vllm bench serve`'s random dataset draws request i's prompt from the seed alone, whatever
+Prompts: every server gets the same prompts at the same concurrency and client, and no prompt set is sent twice to
+one server start (random offsets can still make two prompts share their first block by chance; the prefix-cache
+counters would show it). `vllm bench serve`'s random dataset draws request i's prompt from the seed alone, whatever
 `--num-prompts` is, so with one seed for every run the 32 prompts at 16 streams would begin with the 16 already
 sent at 1 stream, and the 128 at 64 streams with those 32. vLLM caches prompt prefixes by default
 (`--enable-prefix-caching`) and skips their prefill: with one seed (`--same-seed`, the earlier behaviour) vLLM
@@ -123,6 +124,8 @@ def parse_concurrency(text: str) -> list[int]:
         raise ValueError(f"--concurrency takes comma-separated integers, got {text!r}") from None
     if not values or any(v < 1 for v in values):
         raise ValueError(f"--concurrency takes integers >= 1, got {text!r}")
+    if len(set(values)) != len(values):  # a repeat would resend its prompts to the same server start
+        raise ValueError(f"--concurrency lists a value twice: {text!r}")
     return values
 
 
@@ -255,7 +258,8 @@ def vllm_bench_cmd(args, url: str, concurrency: int, result_dir: str) -> list[st
 
 def run_seed(args, concurrency: int, client: str) -> int:
     """The random dataset's seed for one run: the same on every server, different for every (concurrency, client)
-    pair of one server start, so no server sees a prompt twice (see the module docstring)."""
+    pair of one server start (see the module docstring). The offset follows the concurrency's place in
+    `--concurrency`, so compare runs of one invocation."""
     if args.same_seed:  # the old behaviour, kept to show what it did
         return args.seed
     return args.seed + 1000 * args.concurrency.index(concurrency) + (0 if client == "client_vllm" else 500)
@@ -509,7 +513,7 @@ def medians(runs: dict, client: str) -> dict:
     out: dict = {}
     for server, by_c in runs.items():
         for c, rounds in by_c.items():
-            ok = [r[client] for r in rounds if r.get(client) and r[client].get("output_throughput") is not None]
+            ok = [r[client] for r in rounds if r.get(client) and (r[client].get("output_throughput") or 0) > 0]
             if ok:
                 out.setdefault(server, {})[c] = {k: statistics.median(r[k] for r in ok) for k in keys} | \
                     {"rounds": len(ok)}

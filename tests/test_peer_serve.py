@@ -28,6 +28,7 @@ def test_defaults_are_the_issues_setup():
 
 @pytest.mark.parametrize("argv", [["--servers", "minfer-f32,sglang"], ["--servers", "vllm-f32,vllm-f32"],
                                   ["--concurrency", "1,x"], ["--concurrency", "0"], ["--rounds", "0"],
+                                  ["--concurrency", "16,16"],
                                   ["--input-len", "1000", "--output-len", "48"],
                                   ["--llama-np", "4", "--concurrency", "1,16"]])
 def test_bad_arguments_are_refused(argv, capsys):
@@ -129,6 +130,18 @@ def test_medians_over_rounds():
     assert med["vllm-f32"][16]["output_throughput"] == 180 and med["vllm-f32"][16]["mean_tpot_ms"] == 65
     assert med["vllm-f32"][16]["p99_ttft_ms"] == 2100 and med["vllm-f32"][16]["rounds"] == 3
     assert peer_serve.medians(CANNED, "client_minfer") == {}
+
+
+def test_a_peer_whose_runs_all_failed_is_left_out_not_divided_by():
+    """vllm bench reports 0.0 tok/s for a run whose requests all failed: the summary must not divide by it (it runs
+    after an hour of measuring, before the JSON is written)."""
+    dead = {"output_throughput": 0.0, "mean_ttft_ms": 0.0, "p99_ttft_ms": 0.0, "mean_tpot_ms": 0.0,
+            "p99_tpot_ms": 0.0, "total_output_tokens": 0, "completed": 0, "failed": 32}
+    runs = _runs({"minfer-f32": {16: [(50, 200, 18)]}})
+    runs["vllm-f32"] = {16: [{"round": 0, "client_vllm": dead}]}
+    summary = peer_serve.summarize(runs, {16: 768})
+    assert "vllm-f32" not in summary["client_vllm"]["medians"] and summary["client_vllm"]["comparisons"] == []
+    assert not summary["client_vllm"]["token_check"]["ok"]
 
 
 def test_a_failed_round_is_left_out_of_the_medians():

@@ -341,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
             if part not in result and part in old:
                 result[part] = old[part]
                 result.setdefault("earlier_parts", {})[part] = old.get("time")
+                result.setdefault("earlier_parts_load_average", {})[part] = old.get("load_average_1min_before_after")
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {a.json}")
