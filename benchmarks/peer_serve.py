@@ -636,6 +636,8 @@ def main(argv=None) -> int:
             print(f"round {rnd} {server.name}: {shlex.join(cmd)}")
             for c in concs:
                 print(f"    c={c}: {shlex.join(vllm_bench_cmd(args, 'http://127.0.0.1:PORT', c, 'DIR'))}")
+                if args.minfer_client:
+                    print(f"    c={c}: minfer's client, seed {run_seed(args, c, 'client_minfer')}")
         return 0
 
     needs = {SERVERS[s].engine for s in args.servers}
