@@ -250,7 +250,8 @@ def vllm_bench_cmd(args, url: str, concurrency: int, result_dir: str) -> list[st
             "--base-url", url, "--model", NAME, "--tokenizer", str(args.model_dir), "--dataset-name", "random",
             "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
             "--num-prompts", str(num_prompts(args, concurrency)), "--max-concurrency", str(concurrency),
-            "--ignore-eos", "--temperature", str(args.temperature), "--seed", str(run_seed(args, concurrency, "client_vllm")),
+            "--ignore-eos", "--temperature", str(args.temperature),
+            "--seed", str(run_seed(args, concurrency, "client_vllm")),
             "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "99",
             "--ready-check-timeout-sec", "0", "--save-result", "--save-detailed", "--result-dir", result_dir,
             "--result-filename", "result.json", "--disable-tqdm"]
@@ -392,15 +393,19 @@ def metrics_text(url: str) -> str | None:
         return None
 
 
-def server_generated(url: str, engine: str) -> float | None:
-    """Tokens the server says it generated so far (its /metrics counter), None if it cannot tell."""
-    text = metrics_text(url)
+def server_generated(url: str, engine: str, text: str | None = None) -> float | None:
+    """Tokens the server says it generated so far (its /metrics counter; `text`, if already read), None if it
+    cannot tell."""
+    text = metrics_text(url) if text is None else text
     return None if text is None else counter_value(text, GENERATED_COUNTER[engine])
 
 
-def prefix_cache_counts(url: str, engine: str) -> dict | None:
-    """{"queries": prompt tokens looked up, "hits": found} so far by the server's /metrics; None if it has none."""
-    text = metrics_text(url) if engine in PREFIX_COUNTERS else None
+def prefix_cache_counts(url: str, engine: str, text: str | None = None) -> dict | None:
+    """{"queries": prompt tokens looked up, "hits": found} so far by the server's /metrics (`text`, if already
+    read); None if it has no such counters."""
+    if engine not in PREFIX_COUNTERS:
+        return None
+    text = metrics_text(url) if text is None else text
     if text is None:
         return None
     queries, hits = (counter_value(text, name) for name in PREFIX_COUNTERS[engine])
@@ -457,8 +462,9 @@ def measure_start(args, rnd: int, server: Server, slots: int, concurrencies: lis
                 if args.minfer_client:
                     clients.append(("client_minfer", run_minfer_client))
                 for key, fn in clients:
-                    before, tokens_before = load_average(), server_generated(url, server.engine)
-                    cache_before = prefix_cache_counts(url, server.engine)
+                    before, text = load_average(), metrics_text(url)  # one /metrics read for both counters
+                    tokens_before = server_generated(url, server.engine, text)
+                    cache_before = prefix_cache_counts(url, server.engine, text)
                     res = fn(args, url, c)
                     res["load_average_before_after"] = [before, load_average()]
                     res["prefix_cache"] = counts_since(cache_before, prefix_cache_counts(url, server.engine))
