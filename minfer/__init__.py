@@ -10,7 +10,7 @@ import sys
 # before `import torch`; a user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
 #
 # Offline (LLM, notebooks, benchmarks): spin for GOMP_SPINCOUNT=10000 iterations (about 10-50 us here), then
-# sleep. The two threads of a decode step's split matmuls (minfer/model/linear_method.py) stay awake across the
+# sleep. The two threads of a decode step's split matmuls (minfer/model/layers.py) stay awake across the
 # short gaps between matmuls; sleeping and waking them costs more than a small matmul (measured: 1.5x slower
 # decode). libgomp's default spins 30x longer, which wastes whole time slices when another process needs
 # the core (measured: up to 5x slower decode on a busy 2-core machine).
@@ -47,8 +47,10 @@ __version__ = "0.1.0"
 def __getattr__(name):
     # LLM pulls in torch models and transformers: import it lazily so `import minfer` stays fast.
     if name == "LLM":
+        from minfer.beam_search import llm_beam_search
         from minfer.llm import LLM
 
+        LLM.beam_search = llm_beam_search  # vLLM's LLM.beam_search, attached from its own module
         return LLM
     if name == "LLMEngine":
         from minfer.engine import LLMEngine

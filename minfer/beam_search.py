@@ -264,3 +264,32 @@ def run_beam_search(engine, prompts: list[list[int]], params: BeamSearchParams, 
     for group in tqdm(groups, desc="Beam search", disable=not use_tqdm):
         outs.extend(beam_search(runner, group, params, decode))
     return outs
+
+
+def llm_beam_search(llm, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+    """`LLM.beam_search` (vLLM's, scores as transformers' `generate(num_beams=...)`): for each prompt (the
+    forms `LLM.generate` takes) its `beam_width` best beams, best score first. `minfer.LLM` carries it as a
+    method, attached when `minfer.LLM` is first imported (`minfer/__init__.py`).
+
+    The beams share their prompt's and common prefix's KV blocks. Prompts run together in groups that fit in
+    the KV pool at the worst case (no two beams sharing a generated block).
+
+    Raises:
+        TypeError: `params` is not a BeamSearchParams, or a prompt of the wrong type.
+        ValueError: a bad or too long prompt, or one whose beams could never fit in the KV pool.
+        RuntimeError: the engine is serving other requests (beam search steps the executor itself).
+    """
+    from minfer.sequence import prompt_list, validate_prompt
+
+    with llm._lock:  # the LLM's calls run one at a time (minfer.llm)
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        engine = llm.llm_engine
+        if engine.has_unfinished_requests():
+            raise RuntimeError("beam_search needs an idle engine; finish or abort the running requests first")
+        ids = []
+        check = SamplingParams(max_tokens=params.max_tokens)
+        for p in prompt_list(prompts):
+            ids.append(engine.tokenize_prompt(p)[1])
+            validate_prompt(ids[-1], check, engine.max_model_len, engine.model_config.vocab_size)
+        return run_beam_search(engine, ids, params, llm.tokenizer.decode, use_tqdm=use_tqdm)

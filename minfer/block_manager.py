@@ -1,16 +1,17 @@
-"""Who owns which KV block (article §3 paged KV, §8 swap, §11 prefix caching).
+"""Who owns which KV block (article §3 paged KV, §11 prefix caching).
 
 The KV pool is cut into fixed-size blocks of `block_size` token slots. A sequence owns a `block_table`:
 the ids of its blocks in order, so token t of the sequence lives in slot
 `block_table[t // block_size] * block_size + t % block_size` (the `slot_mapping`). Reference counts say how
 many sequences share a block (a cached prefix, a beam's continuations).
 
-`BlockManager` allocates, shares and frees blocks, and composes three small classes for the rest:
+`BlockManager` allocates, shares and frees blocks, and composes two small classes for the rest:
 
     PrefixCache    (minfer/prefix_cache.py)   full blocks named by a hash chain, reused across sequences;
                                               the LRU of free named blocks; hit and eviction counters
-    WindowPolicy   (minfer/block_policies.py) leading blocks released behind a sliding window
-    SwapSpace      (minfer/block_policies.py) the CPU blocks of swapped-out sequences
+    WindowPolicy   (below)                    leading blocks released behind a sliding window
+
+Swap space (article §8-1) extends it from outside: `minfer.swap.SwappingBlockManager`.
 
 A free block is reused unnamed ones first (the most recently freed), then the least recently freed named
 one, which is evicted from the prefix cache.
@@ -20,12 +21,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
-from minfer.block_policies import SwapSpace, WindowPolicy
 from minfer.prefix_cache import PrefixCache, block_hash
 from minfer.sequence import Sequence
 
-__all__ = ["Block", "BlockManager", "NoFreeBlocksError", "block_hash"]
+__all__ = ["Block", "BlockManager", "NoFreeBlocksError", "WindowPolicy", "block_hash", "first_visible_block"]
 
 
 @dataclass
@@ -40,21 +41,65 @@ class NoFreeBlocksError(RuntimeError):
     """The pool has no block to give (the scheduler preempts before this can happen)."""
 
 
+def first_visible_block(num_tokens: int, window: int | None, block_size: int) -> int:
+    """Index of the first block a query at position `num_tokens` (or any later one) can read through a
+    `window`-token sliding window: it sees keys q - W + 1 .. q (`torch_ref.visibility_mask`), so every block
+    whose last slot is below q - W + 1 is dead. 0 without a window."""
+    return 0 if window is None else max(num_tokens - window + 1, 0) // block_size
+
+
+class WindowPolicy:
+    """The leading block-table entries of each sequence released behind its sliding window.
+
+    A released entry stays in the table, pointing at block 0 (like the padding of a block table, which
+    attention masks), so `position // block_size` still finds every live block. `freed[seq_id]` counts those
+    entries, so a block is never released twice.
+    """
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.freed: dict[int, int] = {}  # seq_id -> leading table entries released
+
+    def num_freed(self, seq_id: int) -> int:
+        return self.freed.get(seq_id, 0)
+
+    def release_behind(self, seq_id: int, table: list[int], num_computed_tokens: int, window: int,
+                       release: Callable[[int], None]) -> int:
+        """Release (`release(block id)`) the entries of `table` no later query can see: with the next query at
+        q = `num_computed_tokens`, the first (q - W + 1) // block_size. Returns blocks released."""
+        dead = first_visible_block(num_computed_tokens, window, self.block_size)
+        done = self.freed.get(seq_id, 0)
+        for i in range(done, min(dead, len(table))):
+            release(table[i])
+            table[i] = 0
+        if dead > done:
+            self.freed[seq_id] = dead
+        return max(dead - done, 0)
+
+    def copy(self, parent_id: int, child_id: int) -> None:
+        """A forked child's table has the parent's placeholders (beam search)."""
+        if self.freed.get(parent_id, 0):
+            self.freed[child_id] = self.freed[parent_id]
+
+    def pop(self, seq_id: int) -> int:
+        """Forget a sequence that gives its blocks up; returns its count of placeholders."""
+        return self.freed.pop(seq_id, 0)
+
+
 class BlockManager:
-    """Allocates, shares and frees the blocks of the KV pool, with a prefix cache, sliding-window freeing and
-    swap space (module docstring).
+    """Allocates, shares and frees the blocks of the KV pool, with a prefix cache and sliding-window freeing
+    (module docstring).
 
     Args:
         num_blocks: blocks in the device pool. block_size: token slots per block.
-        num_cpu_blocks: blocks of CPU swap space (0 = no swapping).
         enable_prefix_caching: name full blocks and reuse them across sequences.
 
     Attributes:
         blocks: every `Block` (reference count, prefix-cache name). prefix_cache (`PrefixCache`),
-        window (`WindowPolicy`), swap (`SwapSpace`): the composed parts.
+        window (`WindowPolicy`): the composed parts.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0, enable_prefix_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free unnamed blocks, the next one to reuse first (a released one goes to the front); the free named
@@ -63,7 +108,6 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_cache = PrefixCache(self.blocks, block_size)
         self.window = WindowPolicy(block_size)
-        self.swap = SwapSpace(num_cpu_blocks)
 
     # -- counting -------------------------------------------------------------------------------------
     @property
@@ -209,7 +253,6 @@ class BlockManager:
             self._release(bid)
         seq.block_table = []
         seq.block_hashes = []
-        self.free_swapped(seq)
 
     def free_tail(self, seq: Sequence, num_tokens: int) -> int:
         """Give back the blocks past the first `num_tokens` tokens (speculative decoding's rejected slots:
@@ -266,35 +309,6 @@ class BlockManager:
         """Block tables a sequence holds (1; one per layer group in the hybrid KV cache's manager): growing
         a sequence by one block takes this many blocks."""
         return 1
-
-    # -- swapping (article §8-1) ----------------------------------------------------------------------
-    def can_swap_out(self, seq: Sequence) -> bool:
-        return len(seq.block_table) <= self.swap.num_free
-
-    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Move the sequence's blocks to CPU swap space; returns (device block, cpu block) copies to do."""
-        mapping = self.swap.swap_out(seq.seq_id, [seq.block_table])
-        # Entries released out of the window are copied too (placeholders, never read) and come back as fresh
-        # blocks, released again after the next step: simpler than a table with holes in swap space.
-        for bid in seq.block_table[self.window.pop(seq.seq_id):]:
-            self._release(bid)
-        seq.block_table, seq.block_hashes = [], []
-        return mapping
-
-    def can_swap_in(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
-        n = len(self.swap.swapped[seq.seq_id][0])
-        extra = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - n
-        return n + max(extra, 0) <= self.num_free_blocks
-
-    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Bring a swapped sequence back into fresh device blocks; returns (cpu block, device block) copies."""
-        cpu = self.swap.swap_in(seq.seq_id)[0]
-        seq.block_table = [self._take_free() for _ in cpu]
-        seq.block_hashes = []
-        return list(zip(cpu, seq.block_table))
-
-    def free_swapped(self, seq: Sequence) -> None:
-        self.swap.free(seq.seq_id)
 
     # -- observability --------------------------------------------------------------------------------
     def usage(self) -> float:

@@ -424,6 +424,12 @@ class EngineArgs:
 
 
     @property
+    def extensions(self) -> tuple[str, ...]:
+        """The engine extensions attached at start (`minfer.extensions`): "spec_decode" with a
+        `speculative_config`."""
+        return ("spec_decode",) if self.speculative_config is not None else ()
+
+    @property
     def world_size(self) -> int:
         """Ranks of the job: tensor_parallel_size x pipeline_parallel_size."""
         return self.tensor_parallel_size * self.pipeline_parallel_size

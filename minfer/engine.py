@@ -7,8 +7,8 @@
 
 The engine is the tokenizer, the scheduler (with its block manager) and an executor; the executor's worker
 holds the model, the KV pool, the attention backend and the sampler (`minfer.worker`), and turns each
-`ScheduledBatch` into one forward. Structured output and speculative decoding plug into the step through two
-hooks (`minfer.step_hooks`): grammar masks before the forward, drafts before scheduling.
+`ScheduledBatch` into one forward. Features that act inside the step attach from outside as engine
+extensions (`minfer.extensions`); with default settings there are none.
 """
 
 from __future__ import annotations
@@ -21,60 +21,20 @@ from dataclasses import dataclass
 
 import torch
 
-from minfer.attention.grouped import hybrid_layout
-from minfer.block_manager import BlockManager
 from minfer.config import EngineArgs, ModelConfig, default_max_num_batched_tokens
 from minfer.detokenizer import OutputProcessor
 from minfer.executor import make_executor
-from minfer.kv_cache import bytes_per_block, determine_num_blocks
-from minfer.kv_cache_groups import hybrid_block_manager
-from minfer.memory import physical_memory_bytes
+from minfer.extensions import EngineExtension, build_extension
+from minfer.kv_cache_plan import plan_kv_cache
 from minfer.model.gguf import gguf_cache_path
 from minfer.model.sources import resolve_model
-from minfer.outputs import ModelRunnerOutput, RequestMetrics, RequestOutput
+from minfer.outputs import EngineStats, ModelRunnerOutput, RequestMetrics, RequestOutput, engine_stats
 from minfer.sampling_params import SamplingParams
 from minfer.scheduler import Scheduler
 from minfer.sequence import Sequence, validate_prompt
-from minfer.step_hooks import SpecDecodeHook, StructuredOutputHook
 from minfer.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger("minfer.engine")
-
-
-@dataclass
-class EngineStats:
-    """A snapshot of the engine for monitoring (article §15): queues, KV pool, prefix cache, preemptions."""
-
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    num_free_blocks: int
-    num_total_blocks: int
-    kv_cache_usage: float  # fraction of blocks held by sequences, 0-1
-    fragmentation: float  # allocated-but-unused slots / allocated slots (internal fragmentation)
-    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int  # of which were cached
-    prefix_cache_hit_rate: float
-    num_preemptions: int
-    num_evicted_blocks: int
-    num_prompt_tokens_total: int
-    num_generation_tokens_total: int
-    num_steps: int
-    scheduler_time_s: float  # scheduling, building the batch tensors (block tables, slot mapping), outputs
-    forward_time_s: float  # the model forward + sampling (a draft model's proposals count as scheduling)
-    # speculative decoding (vLLM's spec_decode_* counters); zeros without speculative_config
-    spec_decode_num_drafts: int = 0
-    spec_decode_num_draft_tokens: int = 0
-    spec_decode_num_accepted_tokens: int = 0
-    spec_decode_num_accepted_tokens_per_pos: tuple = ()
-    cpu_kv_cache_usage: float = 0.0  # fraction of the CPU swap space's blocks holding swapped-out KV, 0-1
-
-
-def _cpu_usage(bm) -> float:
-    """Used fraction of the block manager's CPU swap blocks (0 without swap space)."""
-    total = getattr(bm, "num_cpu_blocks", 0) or 0
-    free = getattr(bm, "cpu_free", None)
-    return 0.0 if not total or free is None else 1.0 - len(free) / total
 
 
 @dataclass
@@ -142,114 +102,36 @@ class LLMEngine:
         self.max_num_batched_tokens = mnbt
         if self.device.type == "cuda":
             self.executor.profile_forward(min(mnbt, max_len))
-        # Layers mixing sliding-window and full attention (Gemma 3) get a hybrid KV cache, whose block holds
-        # one layer group's K/V, not every layer's (minfer/kv_cache_groups.py).
-        layout = hybrid_layout(cfg)
-        pool_cfg = cfg if layout is None else layout.pool_config(cfg)
-        num_blocks = determine_num_blocks(pool_cfg, args.block_size, worker.dtype, self.device,
-                                          args.kv_cache_memory_bytes, args.gpu_memory_utilization, max_len,
-                                          args.kv_cache_dtype)
-        per_block = bytes_per_block(pool_cfg, args.block_size, worker.dtype, args.kv_cache_dtype)
-        if layout is not None and num_blocks < layout.max_blocks_per_seq(max_len, args.block_size, mnbt):
-            need = layout.max_blocks_per_seq(max_len, args.block_size, mnbt)
-            raise ValueError(f"the KV pool has room for {num_blocks} blocks, but one sequence of max_model_len="
-                             f"{max_len} tokens needs {need} across the {layout.num_groups} layer groups of this "
-                             "model's hybrid KV cache. Raise kv_cache_memory_bytes or lower max_model_len.")
-        num_cpu_blocks = int(args.swap_space * (1 << 30)) // per_block
-        ram = physical_memory_bytes()
-        if args.swap_space * (1 << 30) > ram:
-            raise ValueError(f"swap_space={args.swap_space} GiB is more than this machine's memory "
-                             f"({ram / (1 << 30):.1f} GiB); lower swap_space")
-        model = getattr(worker, "model", None)
-        if self.device.type == "cpu" and model is not None:
-            # The weights, the pool and its swap space share one memory: all must fit before the pool is taken.
-            weights = sum({t.data_ptr(): t.numel() * t.element_size() for t in model.state_dict().values()}.values())
-            pool, swap = num_blocks * per_block, num_cpu_blocks * per_block
-            if weights + pool + swap > ram:
-                gib = 1 << 30
-                raise ValueError(f"the weights ({weights / gib:.2f} GiB), the KV pool ({pool / gib:.2f} GiB) and the "
-                                 f"swap space ({swap / gib:.2f} GiB) need {(weights + pool + swap) / gib:.2f} GiB, "
-                                 f"more than this machine's {ram / gib:.1f} GiB: lower kv_cache_memory_bytes or "
-                                 "swap_space, or quantize the weights")
-        self.executor.init_kv_cache(num_blocks, num_cpu_blocks)
-        if layout is None:
-            self.block_manager = BlockManager(num_blocks, args.block_size, num_cpu_blocks, args.enable_prefix_caching)
-        else:
-            self.block_manager = hybrid_block_manager(layout, num_blocks, args.block_size, num_cpu_blocks,
-                                                      args.enable_prefix_caching)
-        mode = args.preemption_mode or ("swap" if num_cpu_blocks else "recompute")
-        # KV behind the window is freed per sequence when EVERY layer has one (a full-attention layer reads it
-        # all), and per layer group by the hybrid block manager (which applies each group's own window).
-        local = [w for w in cfg.layer_windows if w is not None]
-        window = max(local) if local and (layout is not None or len(local) == len(cfg.layer_windows)) else None
-        self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, mnbt, args.enable_chunked_prefill, mode,
-                                   sliding_window=window)
+        # The pool's size, its block manager (one block table per layer group) and the preemption mode.
+        plan = plan_kv_cache(args, cfg, worker.dtype, self.device, getattr(worker, "model", None), max_len, mnbt)
+        self.executor.init_kv_cache(plan.num_blocks, plan.num_cpu_blocks)
+        self.block_manager = plan.block_manager
+        self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, mnbt, args.enable_chunked_prefill,
+                                   plan.preemption, sliding_window=plan.sliding_window)
         self.output_processor = OutputProcessor(self.tokenizer)
-        # What plugs into the step (minfer/step_hooks.py): grammars, and speculative decoding if configured.
-        self.structured_hook = StructuredOutputHook(self.tokenizer, self.model_config.vocab_size)
-        self.spec_decoder = self._build_spec_decoder(args, num_blocks) if args.speculative_config else None
-        self.spec_hook = None if self.spec_decoder is None else SpecDecodeHook(self.spec_decoder,
-                                                                               self.structured_hook)
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
-        self._prompt_tokens = self._gen_tokens = self._steps = 0
-        self._sched_time = self._fwd_time = 0.0
+        self.num_prompt_tokens = self.num_generation_tokens = self.num_steps = 0
+        self.scheduler_time_s = self.forward_time_s = 0.0
+        # What plugs into the step from outside (minfer/extensions.py): those the settings name now, and those
+        # a request names when it arrives.
+        self.extensions: dict[str, EngineExtension] = {}
+        for name in args.extensions:
+            self.extension(name)
         logger.info("loaded %s (%s) in %.1fs; KV pool %d blocks x %d tokens = %d tokens, %d bytes; attention %s",
-                    args.model, worker.dtype, time.perf_counter() - t0, num_blocks, args.block_size,
-                    num_blocks * args.block_size, worker.pool.nbytes, type(worker.backend).__name__)
+                    args.model, worker.dtype, time.perf_counter() - t0, plan.num_blocks, args.block_size,
+                    plan.num_blocks * args.block_size, worker.pool.nbytes, type(worker.backend).__name__)
 
-    def _build_spec_decoder(self, args: EngineArgs, num_blocks: int):
-        """The proposer of `speculative_config` (chapter 7b). A draft model gets a worker and a KV pool of its
-        own with as many token slots as the target's.
-
-        Raises:
-            ValueError: a draft whose vocabulary or tokenizer is not the target's, or that is shorter-lived
-                (max_position_embeddings) than max_model_len.
-        """
-        import dataclasses
-
-        from minfer.spec_decode.decoder import SpecDecoder
-        from minfer.spec_decode.draft_model import DraftModelProposer
-        from minfer.spec_decode.ngram import NgramProposer
-        from minfer.worker import Worker
-
-        spec = args.speculative_config
-        k = spec.num_speculative_tokens
-        if spec.method == "ngram":
-            proposer = NgramProposer(k, spec.prompt_lookup_max, spec.prompt_lookup_min)
-        else:
-            # The draft's quantization is its own (speculative_config's), not the target's.
-            draft = Worker(dataclasses.replace(args, model=spec.model, tokenizer=None, speculative_config=None,
-                                               max_model_len=self.max_model_len, quantization=spec.quantization,
-                                               quantization_config=spec.quantization_config))
-            target_cfg = self.model_config.config
-            if draft.config.vocab_size != target_cfg.vocab_size:
-                raise ValueError(f"the draft {spec.model!r} has a vocabulary of {draft.config.vocab_size} tokens, "
-                                 f"the target {target_cfg.vocab_size}: a draft must share the target's tokenizer")
-            try:
-                draft_tok = load_tokenizer(draft.source, draft.eos_token_ids,
-                                           cache_dir=gguf_cache_path(draft.source.path) / "tokenizer"
-                                           if draft.source.kind == "gguf" else None)
-            except (OSError, ValueError):
-                draft_tok = None  # a draft without tokenizer files: the vocabulary size was checked
-            if draft_tok is not None and draft_tok.hf.get_vocab() != self.tokenizer.hf.get_vocab():
-                raise ValueError(f"the draft {spec.model!r} has another tokenizer than the target (same size, "
-                                 "different tokens): a draft must share the target's tokenizer")
-            if draft.config.max_position_embeddings < self.max_model_len:
-                raise ValueError(f"the draft {spec.model!r} handles {draft.config.max_position_embeddings} "
-                                 f"positions, fewer than max_model_len={self.max_model_len}")
-            draft.init_kv_cache(num_blocks, 0)
-            proposer = DraftModelProposer(draft, BlockManager(num_blocks, args.block_size), k)
-        return SpecDecoder(spec.method, proposer, self.block_manager, k, args.max_num_seqs)
+    def extension(self, name: str) -> EngineExtension:
+        """The engine extension called `name` (`minfer.extensions`), attached on first use."""
+        ext = self.extensions.get(name)
+        if ext is None:
+            ext = self.extensions[name] = build_extension(name, self)
+        return ext
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         return cls(args)
-
-    @property
-    def structured_output(self):
-        """The `StructuredOutputManager` (its matchers by seq_id), or None before the first guided request."""
-        return self.structured_hook.manager
 
     @property
     def worker(self):
@@ -288,8 +170,8 @@ class LLMEngine:
         params = params.clone(_eos_token_ids=tuple(self.tokenizer.eos_token_ids))
         metrics = RequestMetrics(arrival_time=arrival_time or time.perf_counter())
         seqs = [Sequence(request_id, i, ids, params, self.max_model_len) for i in range(params.n)]
-        if params.guided_decoding is not None:  # compiled now: a bad grammar raises before anything is queued
-            self.structured_hook.add([s.seq_id for s in seqs], params.guided_decoding)
+        for name in params.extensions:  # e.g. a grammar, compiled now: a bad one raises before anything is queued
+            self.extension(name).add_request(seqs, params)
         self.requests[request_id] = _Request(request_id, text, ids, seqs, metrics)
         for s in seqs:
             self.scheduler.add(s)
@@ -333,10 +215,10 @@ class LLMEngine:
         """Drop what the output processor and the worker keep for finished or aborted sequences."""
         for s in seqs:
             self.output_processor.free(s)
-        self.executor.release([s.seq_id for s in seqs])
-        self.structured_hook.release([s.seq_id for s in seqs])
-        if self.spec_hook is not None:
-            self.spec_hook.release([s.seq_id for s in seqs])
+        seq_ids = [s.seq_id for s in seqs]
+        self.executor.release(seq_ids)
+        for ext in self.extensions.values():
+            ext.release(seq_ids)
 
     def check_health(self) -> None:
         """Raise if the executor's workers cannot run a step (`WorkerDiedError`: a parallel worker exited);
@@ -353,35 +235,36 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step. Returns a RequestOutput for every request that made progress (text so
         far; `finished` set on the last one). Finished requests are retired and their blocks freed."""
-        # 1. schedule: who runs, how many tokens each, which blocks (drafts first: they take slots)
+        exts = self.extensions.values()
+        # 1. schedule: who runs, how many tokens each, which blocks
         t0 = time.perf_counter()
-        spec = self.spec_hook
-        if spec is not None:
-            spec.propose(self.scheduler.running)  # drafts to verify (a draft model's forward is scheduling time)
+        for ext in exts:
+            ext.before_schedule(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress with requests pending (pool too small?)")
             return []
-        self.structured_hook.prepare(batch, speculating=spec is not None)  # grammar bitmasks
+        for ext in exts:
+            ext.before_forward(batch)
         # 2. execute: one forward and sampling on the workers
         t1 = time.perf_counter()
         output = self.executor.execute_model(batch)
         self.last_step_num_tokens = int(sum(batch.num_new_tokens))  # vLLM's iteration_tokens_total (server metric)
         t2 = time.perf_counter()
         # 3. update: computed counts and prefix-cache names, then the new tokens of each sampled row
-        if spec is not None:
-            spec.on_executed(batch)
+        for ext in exts:
+            ext.after_forward(batch)
         self.scheduler.finish_step(batch)
         now = time.perf_counter()
         touched = self._update(batch, output, t0, now)
-        if spec is not None:
-            spec.end_step(batch)
+        for ext in exts:
+            ext.end_step(batch)
         # 4. output: a RequestOutput per request that made progress; finished ones are retired
         outputs = self._outputs(touched, now)
-        self._steps += 1
-        self._sched_time += (t1 - t0) + (time.perf_counter() - t2)
-        self._fwd_time += t2 - t1
+        self.num_steps += 1
+        self.scheduler_time_s += (t1 - t0) + (time.perf_counter() - t2)
+        self.forward_time_s += t2 - t1
         return outputs
 
     def _update(self, batch, output: ModelRunnerOutput, t0: float, now: float) -> dict[str, _Request]:
@@ -392,15 +275,15 @@ class LLMEngine:
             if req is not None and req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = t0
             if seq.num_computed_tokens <= seq.num_prompt_tokens:
-                self._prompt_tokens += n
+                self.num_prompt_tokens += n
         touched: dict[str, _Request] = {}
         logprobs, tops = output.logprobs, output.top_logprobs
         for k, j in enumerate(output.sampled_rows):
             seq = batch.seqs[j]
             emitted = self._append_tokens(seq, output.sampled_token_ids[k], logprobs[k] if logprobs else None,
                                           tops[k] if tops else None)
-            if seq.spec_token_ids:  # a verified speculation: its accepted drafts become computed
-                self.spec_hook.on_emitted(seq, emitted)
+            for ext in self.extensions.values():
+                ext.on_row(seq, emitted)
             req = self.requests[seq.request_id]
             if seq.index == 0:
                 m = req.metrics
@@ -414,13 +297,14 @@ class LLMEngine:
 
     def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list[float] | None, tops) -> int:
         """Append a row's new tokens (one, or a verified speculation's several) one by one, stopping where the
-        sequence finishes (a stop token, a stop string, max_tokens, a complete grammar); a guided row's
-        grammar advances by each. Returns how many were appended."""
+        sequence finishes (a stop token, a stop string, max_tokens, or an extension's rule); the extensions
+        see each. Returns how many were appended."""
         for i, t in enumerate(tokens):
             seq.append_token(t, logprobs[i] if logprobs else 0.0, tops[i] if tops else None)
             self.output_processor.process(seq)
-            self._gen_tokens += 1
-            self.structured_hook.accept(seq, t)
+            self.num_generation_tokens += 1
+            for ext in self.extensions.values():
+                ext.on_token(seq, t)
             if seq.is_finished:
                 return i + 1
         return len(tokens)
@@ -438,30 +322,8 @@ class LLMEngine:
 
     # -- observability -------------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        bm, sch = self.block_manager, self.scheduler
-        held = [s for s in sch.running]
-        # Table entries released behind a sliding window hold nothing: count neither their slots nor tokens.
-        alloc = sum(bm.num_live_blocks(s) for s in held) * bm.block_size
-        used = sum(bm.num_live_tokens(s) for s in held)
-        return EngineStats(
-            num_running=len(sch.running), num_waiting=len(sch.waiting), num_swapped=len(sch.swapped),
-            num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_total_blocks, kv_cache_usage=bm.usage(),
-            fragmentation=(alloc - used) / alloc if alloc else 0.0,
-            prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits,
-            prefix_cache_hit_rate=bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
-            num_preemptions=sch.num_preemptions, num_evicted_blocks=bm.num_evicted_blocks,
-            num_prompt_tokens_total=self._prompt_tokens, num_generation_tokens_total=self._gen_tokens,
-            num_steps=self._steps, scheduler_time_s=self._sched_time + self.worker.build_time_s,
-            forward_time_s=self._fwd_time - self.worker.build_time_s, cpu_kv_cache_usage=_cpu_usage(bm),
-            **self._spec_stats())
-
-    def _spec_stats(self) -> dict:
-        if self.spec_decoder is None:
-            return {}
-        m = self.spec_decoder.metrics
-        return dict(spec_decode_num_drafts=m.num_drafts, spec_decode_num_draft_tokens=m.num_draft_tokens,
-                    spec_decode_num_accepted_tokens=m.num_accepted_tokens,
-                    spec_decode_num_accepted_tokens_per_pos=tuple(m.num_accepted_tokens_per_pos))
+        """Queues, KV pool, prefix cache, preemptions and timings (`minfer.outputs.EngineStats`)."""
+        return engine_stats(self)
 
     def all_blocks_free(self) -> bool:
         """True when no sequence holds a block (what every test checks after a run)."""

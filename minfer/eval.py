@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     pp.add_argument("--json", default=None, help="write the result here")
     args = p.parse_args(argv)
 
-    from minfer.llm import LLM
+    from minfer import LLM
 
     kwargs = {"dtype": args.dtype, "max_model_len": max(args.window, 64) + 1}
     if args.model:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from minfer.config import EngineArgs, verify_parallel_config
+from minfer.parallel.worker import ParallelWorker
 from minfer.worker import Worker
 
 if TYPE_CHECKING:
@@ -40,37 +41,25 @@ if TYPE_CHECKING:
 logger = logging.getLogger("minfer.executor")
 
 
-class UniProcExecutor:
-    """One worker, in the engine's process. `driver_worker` is that worker (vLLM's name)."""
+class UniProcExecutor(Worker):
+    """One worker, in the engine's process: the worker itself, so a step calls it directly. `driver_worker`
+    is that worker (vLLM's name)."""
 
     def __init__(self, args: EngineArgs):
         from minfer.parallel.parallel_state import check_no_parallel_job
 
         check_no_parallel_job()  # a parallel engine still alive here would make this model one of its shards
-        self.driver_worker = Worker(args)
+        super().__init__(args)
 
-    def profile_forward(self, num_tokens: int) -> None:
-        self.driver_worker.profile_forward(num_tokens)
-
-    def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
-        self.driver_worker.init_kv_cache(num_blocks, num_cpu_blocks)
-
-    def execute_model(self, batch: "ScheduledBatch") -> "ModelRunnerOutput":
-        """One step's forward and sampling; see `Worker.execute_model`."""
-        return self.driver_worker.execute_model(batch)
-
-    def compute_logits(self, batch: "ScheduledBatch"):
-        """One step's forward without sampling; see `Worker.compute_logits`."""
-        return self.driver_worker.compute_logits(batch)
-
-    def release(self, seq_ids: list[int]) -> None:
-        self.driver_worker.release(seq_ids)
+    @property
+    def driver_worker(self) -> Worker:
+        return self
 
     def check_health(self) -> None:
         """Raise if the workers cannot run (never, with one worker in this process)."""
 
     def shutdown(self) -> None:
-        """Nothing to stop."""
+        """Nothing to stop: the worker lives in this process."""
 
 
 class WorkerDiedError(RuntimeError):
@@ -152,7 +141,7 @@ class MultiprocExecutor:
             for conn in self._conns.values():
                 conn.send((args, init_method))
             init_parallel(tp, pp, 0, init_method, device=args.device)
-            self.driver_worker = Worker(args)
+            self.driver_worker = ParallelWorker(args)
             self._gather("ready")
         except BaseException:
             self.shutdown()
@@ -376,7 +365,7 @@ def worker_loop(args: EngineArgs | None, rank: int, init_method: str | None, con
     try:
         init_parallel(args.tensor_parallel_size, args.pipeline_parallel_size, rank, init_method,
                       device=args.device)
-        worker = Worker(args)
+        worker = ParallelWorker(args)
     except Exception as exc:  # noqa: BLE001 - reported to the driver, which raises it
         conn.send(("error", exc))
         return

@@ -1,10 +1,10 @@
-"""The KV pool (article §3, §8): one allocation of fixed-size blocks per layer, plus CPU swap space.
+"""The KV pool (article §3): one allocation of fixed-size blocks per layer.
 
 Per layer the pool is a tensor `[2, num_blocks, block_size, num_kv_heads, head_dim]` (K and V), allocated
 once at start-up; the block manager hands out block ids and the attention backend reads and writes slots.
 A quantized pool (`kv_cache_dtype` "int8"/"fp8*", `minfer.attention.kv_quant`) holds 8-bit codes there and,
-beside them, float32 scales `[2, num_blocks, block_size, num_kv_heads]` per layer: every block copy (swap
-out, swap in, copy-on-write) moves a block's codes and its scales together.
+beside them, float32 scales `[2, num_blocks, block_size, num_kv_heads]` per layer: every block copy (copy-on-write,
+or a move to and from CPU memory) moves a block's codes and its scales together.
 """
 
 from __future__ import annotations
@@ -91,63 +91,36 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pin_
 
 
 class KVCachePool:
-    """The device KV tensors and the CPU swap tensors, with block copies between them.
+    """The device KV tensors, with block copies between them.
 
     Attributes:
         layers: per layer `[2, num_blocks, block_size, KVH, D]` of `spec.dtype` (K and V).
         scales: per layer float32 `[2, num_blocks, block_size, KVH]` for a quantized pool, else None.
-        cpu_layers, cpu_scales: the same for the swap space (`num_cpu_blocks` blocks).
         spec: the `KVCacheSpec` of `kv_cache_dtype` ("auto": the model's `dtype`).
+        num_cpu_blocks: blocks of CPU memory beside the pool (0 here; `minfer.swap.SwappingKVCachePool`).
     """
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, num_cpu_blocks: int = 0, kv_cache_dtype: str = "auto"):
+                 device: torch.device, kv_cache_dtype: str = "auto"):
         self.spec: KVCacheSpec = kv_cache_spec(kv_cache_dtype, dtype)
         n, store = cfg.num_hidden_layers, self.spec.dtype
         heads = (block_size, cfg.num_key_value_heads)
-        pin = device.type == "cuda"
-        cpu = torch.device("cpu")
         # Zeroed, not torch.empty: attention masks unused slots of a partly filled block with -inf, but a
         # probability of 0 times a NaN left in uninitialised memory is still NaN.
         self.layers = [zeros((2, num_blocks, *heads, cfg.head_dim), store, device) for _ in range(n)]
-        self.cpu_layers = ([zeros((2, num_cpu_blocks, *heads, cfg.head_dim), store, cpu, pin) for _ in range(n)]
-                           if num_cpu_blocks else [])
-        self.scales = self.cpu_scales = None
+        self.scales = None
         if self.spec.quantized:
             self.scales = [zeros((2, num_blocks, *heads), SCALE_DTYPE, device) for _ in range(n)]
-            self.cpu_scales = ([zeros((2, num_cpu_blocks, *heads), SCALE_DTYPE, cpu, pin) for _ in range(n)]
-                               if num_cpu_blocks else [])
-        self.num_blocks, self.block_size, self.num_cpu_blocks = num_blocks, block_size, num_cpu_blocks
+        self.num_blocks, self.block_size, self.num_cpu_blocks = num_blocks, block_size, 0
 
     @property
     def nbytes(self) -> int:
         """Device bytes of the pool: codes (or K/V) plus scales."""
         return sum(t.numel() * t.element_size() for t in self.layers + (self.scales or []))
 
-    def _pairs(self):
-        """(device tensor, cpu tensor) of every layer's K/V (as raw bytes when 1-byte) and of its scales."""
-        pairs = [(raw(d), raw(c)) for d, c in zip(self.layers, self.cpu_layers)]
-        if self.scales is not None:
-            pairs += list(zip(self.scales, self.cpu_scales))
-        return pairs
-
-    def swap_out(self, mapping: list[tuple[int, int]]) -> None:
-        """Copy device blocks to CPU blocks: mapping of (device block, cpu block)."""
-        if not mapping:
-            return
-        src = torch.tensor([m[0] for m in mapping], device=self.layers[0].device)
-        dst = torch.tensor([m[1] for m in mapping])
-        for dev, cpu in self._pairs():
-            cpu[:, dst] = dev[:, src].to("cpu")
-
-    def swap_in(self, mapping: list[tuple[int, int]]) -> None:
-        """Copy CPU blocks back to device blocks: mapping of (cpu block, device block)."""
-        if not mapping:
-            return
-        src = torch.tensor([m[0] for m in mapping])
-        dst = torch.tensor([m[1] for m in mapping], device=self.layers[0].device)
-        for dev, cpu in self._pairs():
-            dev[:, dst] = cpu[:, src].to(dev.device)
+    def before_forward(self, batch) -> None:
+        """The block copies a step asks for before its forward writes (`ScheduledBatch.copy`)."""
+        self.copy_blocks(batch.copy)
 
     def copy_blocks(self, mapping: list[tuple[int, int]]) -> None:
         """Copy device blocks to other device blocks: mapping of (source block, destination block). Used for

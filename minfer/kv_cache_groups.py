@@ -44,9 +44,10 @@ placeholders, so a swapped-in sequence never names a block that holds no K/V).
 from __future__ import annotations
 
 from minfer.attention.grouped import KVCacheLayout
-from minfer.block_manager import BlockManager, NoFreeBlocksError
-from minfer.block_policies import first_visible_block
+from minfer.block_manager import NoFreeBlocksError, first_visible_block
 from minfer.sequence import Sequence
+from minfer.swap import SwappingBlockManager
+
 
 def hybrid_block_manager(layout: KVCacheLayout, num_blocks: int, block_size: int, num_cpu_blocks: int,
                          enable_prefix_caching: bool) -> "HybridBlockManager":
@@ -54,7 +55,7 @@ def hybrid_block_manager(layout: KVCacheLayout, num_blocks: int, block_size: int
     return HybridBlockManager(num_blocks, block_size, layout, num_cpu_blocks, enable_prefix_caching)
 
 
-class HybridBlockManager(BlockManager):
+class HybridBlockManager(SwappingBlockManager):
     """`BlockManager` with one block table per layer group over one free list (see the module docstring).
 
     `seq.block_table` is group 0's (full attention), `seq.group_block_tables` the others'.

@@ -7,7 +7,8 @@
 
 `generate` queues every prompt in the engine and steps it until all finish (continuous batching over the
 paged KV pool). `generate_simple` runs chapter 1's one-sequence prefill/decode path: the oracle that the
-engine is tested against.
+engine is tested against. vLLM's `LLM.beam_search` is attached from its own module (`minfer.beam_search`)
+when `minfer.LLM` is first imported, so this file stays the plain path.
 
 One `LLM` may be shared by several threads: its calls are serialised by a lock (one engine steps one batch at a
 time; a second thread's `generate` waits for the first to return, then runs). For calls that overlap in the
@@ -17,21 +18,19 @@ engine (continuous batching across callers), serve the model (`python -m minfer.
 from __future__ import annotations
 
 import functools
-import numbers
 import threading
 from dataclasses import fields
 
 from tqdm.auto import tqdm
 
-from minfer.beam_search import run_beam_search
 from minfer.config import DEFAULT_MODEL, EngineArgs
 from minfer.detokenizer import OutputProcessor
 from minfer.engine import LLMEngine
 from minfer.generate import GenerationTimings, SimpleGenerator
-from minfer.outputs import BeamSearchOutput, RequestOutput
+from minfer.outputs import RequestOutput
 from minfer.sampling import Sampler
-from minfer.sampling_params import BeamSearchParams, SamplingParams
-from minfer.sequence import Sequence, validate_prompt
+from minfer.sampling_params import SamplingParams
+from minfer.sequence import Sequence, prompt_list, validate_prompt
 
 
 def _serialised(method):
@@ -98,7 +97,7 @@ class LLM:
             ValueError: a bad prompt (too long, empty, ...) — raised before anything is queued.
             TypeError: `prompts` is none of the forms above.
         """
-        prompts = _prompt_list(prompts)
+        prompts = prompt_list(prompts)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
@@ -121,31 +120,6 @@ class LLM:
         finally:
             bar.close()
         return [results[i] for i in ids]
-
-    @_serialised
-    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
-        """Beam search (vLLM's `LLM.beam_search`, scores as transformers' `generate(num_beams=...)`): for each
-        prompt (the forms `generate` takes) its `beam_width` best beams, best score first.
-
-        The beams share their prompt's and common prefix's KV blocks (`minfer.beam_search`). Prompts run
-        together in groups that fit in the KV pool at the worst case (no two beams sharing a generated block).
-
-        Raises:
-            TypeError: `params` is not a BeamSearchParams, or a prompt of the wrong type.
-            ValueError: a bad or too long prompt, or one whose beams could never fit in the KV pool.
-            RuntimeError: the engine is serving other requests (beam search steps the executor itself).
-        """
-        if not isinstance(params, BeamSearchParams):
-            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-        engine = self.llm_engine
-        if engine.has_unfinished_requests():
-            raise RuntimeError("beam_search needs an idle engine; finish or abort the running requests first")
-        ids = []
-        check = SamplingParams(max_tokens=params.max_tokens)
-        for p in _prompt_list(prompts):
-            ids.append(engine.tokenize_prompt(p)[1])
-            validate_prompt(ids[-1], check, engine.max_model_len, engine.model_config.vocab_size)
-        return run_beam_search(engine, ids, params, self.tokenizer.decode, use_tqdm=use_tqdm)
 
     @_serialised
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
@@ -192,18 +166,3 @@ class LLM:
             outs.append(seq.to_output())
         out = RequestOutput("simple", text, ids, outs, finished=True)
         return out, timings[0]  # the first completion's timings
-
-
-def _prompt_list(prompts) -> list:
-    """One prompt or a list of them (strings, token-id lists, vLLM's prompt dicts) as a list.
-
-    Raises:
-        TypeError: `prompts` is none of these forms.
-    """
-    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
-                                           and isinstance(prompts[0], numbers.Integral)):
-        prompts = [prompts]
-    if not isinstance(prompts, (list, tuple)):
-        raise TypeError("prompts must be a string, a list of token ids, a dict with 'prompt' or "
-                        f"'prompt_token_ids', or a list of these; got {type(prompts).__name__}")
-    return list(prompts)

@@ -148,3 +148,62 @@ class BeamSearchOutput:
     """The beams of one prompt, best first (vLLM's `BeamSearchOutput`)."""
 
     sequences: list[BeamSearchSequence]
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine for monitoring (article §15): queues, KV pool, prefix cache, preemptions."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_cache_usage: float  # fraction of blocks held by sequences, 0-1
+    fragmentation: float  # allocated-but-unused slots / allocated slots (internal fragmentation)
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of which were cached
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+    num_evicted_blocks: int
+    num_prompt_tokens_total: int
+    num_generation_tokens_total: int
+    num_steps: int
+    scheduler_time_s: float  # scheduling, building the batch tensors (block tables, slot mapping), outputs
+    forward_time_s: float  # the model forward + sampling (a draft model's proposals count as scheduling)
+    # speculative decoding (vLLM's spec_decode_* counters); zeros without speculative_config
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple = ()
+    cpu_kv_cache_usage: float = 0.0  # fraction of the CPU swap space's blocks holding swapped-out KV, 0-1
+
+
+def engine_stats(engine) -> EngineStats:
+    """`LLMEngine.stats()`: a snapshot of its scheduler, block manager, counters and extensions."""
+    bm, sch = engine.block_manager, engine.scheduler
+    held = list(sch.running)
+    # Table entries released behind a sliding window hold nothing: count neither their slots nor tokens.
+    alloc = sum(bm.num_live_blocks(s) for s in held) * bm.block_size
+    used = sum(bm.num_live_tokens(s) for s in held)
+    extra: dict = {}
+    for ext in engine.extensions.values():
+        extra.update(ext.stats())
+    return EngineStats(
+        num_running=len(sch.running), num_waiting=len(sch.waiting), num_swapped=len(getattr(sch.preemption, "swapped", ())),
+        num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_total_blocks, kv_cache_usage=bm.usage(),
+        fragmentation=(alloc - used) / alloc if alloc else 0.0,
+        prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits,
+        prefix_cache_hit_rate=bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
+        num_preemptions=sch.num_preemptions, num_evicted_blocks=bm.num_evicted_blocks,
+        num_prompt_tokens_total=engine.num_prompt_tokens, num_generation_tokens_total=engine.num_generation_tokens,
+        num_steps=engine.num_steps, scheduler_time_s=engine.scheduler_time_s + engine.worker.build_time_s,
+        forward_time_s=engine.forward_time_s - engine.worker.build_time_s, cpu_kv_cache_usage=_cpu_usage(bm),
+        **extra)
+
+
+def _cpu_usage(bm) -> float:
+    """Used fraction of the block manager's CPU swap blocks (0 without swap space)."""
+    total = getattr(bm, "num_cpu_blocks", 0) or 0
+    free = getattr(bm, "cpu_free", None)
+    return 0.0 if not total or free is None else 1.0 - len(free) / total

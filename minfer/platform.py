@@ -35,7 +35,7 @@ import os
 import torch
 
 from minfer.config import KERNELS
-from minfer.model.linear_method import LinearMethodBase, UnquantizedLinearMethod
+from minfer.model.layers import LinearMethodBase, UnquantizedLinearMethod
 
 
 class KernelUnavailable(RuntimeError):

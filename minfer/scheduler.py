@@ -4,10 +4,11 @@ Every step the scheduler builds one batch under two budgets, `max_num_seqs` sequ
 `max_num_batched_tokens` tokens:
 
 1. running sequences first, in arrival order: one token each when decoding, or the next chunk of a prompt;
-2. then swapped-out sequences, brought back when blocks allow;
+2. then sequences a preemption policy holds outside the pool (swap, `minfer/swap.py`), brought back when
+   blocks allow;
 3. then waiting sequences, admitted as soon as there is room, taking turns across requests: the next one
    admitted is the first waiting sequence of the request that holds the fewest sequences (running or
-   swapped), earliest request first among equals. With one sequence per request this is FCFS (a request
+   held outside the pool), earliest request first among equals. With one sequence per request this is FCFS (a request
    never jumps one that waits); a request with many sequences (`n`) shares the free slots with the requests
    behind it instead of taking them all, so a later request waits for one slot to free, not for every
    earlier sequence to be admitted. A turn is never skipped: if the sequence whose turn it is does not fit,
@@ -18,7 +19,8 @@ running sequences keep flowing while it is prefilled. Without it a prompt runs w
 
 When the pool runs out of blocks, the most recently arrived running sequence is preempted: by recompute
 (its blocks are freed; it goes back to the head of the waiting queue and is prefilled again later, prompt and
-generated tokens together) or by swap (its blocks are copied to CPU swap space and back later).
+generated tokens together), or by the scheduler's preemption policy when it has one (`minfer/swap.py`: its
+blocks are copied to CPU memory and back later).
 """
 
 from __future__ import annotations
@@ -34,24 +36,22 @@ from minfer.sequence import Sequence, SequenceStatus
 @dataclass
 class ScheduledBatch:
     """One step's work: sequences with how many new tokens each computes, and block copies to do first
-    (swaps, and the copy-on-write of blocks shared by forked beams).
+    (copy-on-write of shared blocks, and what a preemption policy moves: `kv_transfer`).
 
     `seqs` are ordered prefill chunks first (num_new > 1), then decodes (num_new == 1). A sequence verifying
-    k speculative drafts (`seq.spec_token_ids`) is a (k + 1)-token chunk: its last token and the drafts.
+    k proposed tokens (`seq.spec_token_ids`, vLLM's name) is a (k + 1)-token chunk: its last token and those.
     """
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
     copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device blocks: copy-on-write
+    kv_transfer: object = None  # block moves a preemption policy asks the pool for (`minfer.swap.SwapTransfer`)
     num_preempted: int = 0
-    # structured output: int32 [len(seqs), ceil(V/32)] token bitmask of the rows (None: no guided row); set by
-    # the engine after scheduling (`minfer.structured_output.StructuredOutputManager.bitmask`)
-    grammar_bitmask: object = None
-    # with speculation: {batch row: int32 [k + 1, ceil(V/32)]}, the masks a guided row's drafts are verified
-    # under (`StructuredOutputManager.spec_bitmasks`), or None
-    spec_grammar_bitmasks: object = None
+    # int32 [len(seqs), ceil(V/32)]: the tokens each row may sample (bit j of word w is token 32 w + j), or
+    # None for no constraint; set by an engine extension after scheduling (structured output)
+    token_bitmask: object = None
+    # {batch row: int32 [k + 1, ceil(V/32)]}: the masks a row's proposed tokens are verified under, or None
+    verify_token_bitmasks: object = None
 
     @property
     def num_tokens(self) -> int:
@@ -115,8 +115,19 @@ class WaitingQueue:
 
 
 class Scheduler:
+    """Builds each step's `ScheduledBatch` (module docstring).
+
+    Args:
+        block_manager: the `BlockManager` of the pool. max_num_seqs, max_num_batched_tokens: the step's
+            budgets. enable_chunked_prefill: cut long prompts into chunks.
+        preemption: how a preempted sequence is kept: None to recompute it later, or a policy object that
+            holds its KV outside the pool (`minfer.swap.SwapPreemption`: `preempt`, `resume`, `has_waiting`,
+            `remove`).
+        sliding_window: every layer's window (the largest, when they differ), or None.
+    """
+
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool, preemption_mode: str = "recompute", sliding_window: int | None = None):
+                 enable_chunked_prefill: bool, preemption=None, sliding_window: int | None = None):
         self.bm = block_manager
         # Every layer's window (the largest, when they differ) or None: blocks behind it are freed each step.
         # With a hybrid KV cache (minfer/kv_cache_groups.py) the block manager frees per layer group instead.
@@ -124,12 +135,11 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked = enable_chunked_prefill
-        self.preemption_mode = preemption_mode
+        self.preemption = preemption
         self.waiting = WaitingQueue()
         self.running: list[Sequence] = []
-        self.swapped: deque[Sequence] = deque()
         self.num_preemptions = 0
-        self._held: dict[str, int] = {}  # request id -> its sequences now running or swapped (admission's turns)
+        self._held: dict[str, int] = {}  # request id -> its sequences running or held outside (admission's turns)
 
     # -- queues ----------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -137,18 +147,23 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.waiting or self.running or self._held_outside())
+
+    def _held_outside(self) -> bool:
+        """True while the preemption policy holds a sequence that waits to come back."""
+        return self.preemption is not None and self.preemption.has_waiting()
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of whichever queue holds it and free all its blocks."""
         # Only the queue its status names is searched: a finishing sequence is not looked for among the
         # thousands of waiting ones (and an aborted request's waiting sequences come off their group's head).
-        queue = {SequenceStatus.WAITING: self.waiting, SequenceStatus.RUNNING: self.running,
-                 SequenceStatus.SWAPPED: self.swapped}.get(seq.status)
+        queue = {SequenceStatus.WAITING: self.waiting, SequenceStatus.RUNNING: self.running}.get(seq.status)
         if queue is not None and seq in queue:
             queue.remove(seq)
             if queue is not self.waiting:
                 self._hold(seq, -1)
+        elif seq.status is SequenceStatus.OFFLOADED and self.preemption.remove(seq):
+            self._hold(seq, -1)
         self.bm.free_seq(seq)
         seq.status = SequenceStatus.FINISHED
 
@@ -162,7 +177,7 @@ class Scheduler:
             seq = self.running[i]
             want = len(seq) - seq.num_computed_tokens
             if seq.spec_token_ids:
-                want = self._fit_speculation(seq, want, budget)
+                want = self._fit_proposed(seq, want, budget)
             n = min(want, budget) if (self.chunked or want == 1) else (want if want <= budget else 0)
             if n <= 0 or len(batch.seqs) >= self.max_num_seqs:
                 i += 1
@@ -179,19 +194,11 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
             i += 1
-        # 2. swapped sequences come back before new requests (FCFS), and not in a step that preempted.
-        while self.swapped and not batch.num_preempted and budget > 0 and len(batch.seqs) < self.max_num_seqs:
-            seq = self.swapped[0]
-            want = len(seq) - seq.num_computed_tokens
-            # A sequence swapped out in the middle of a chunked prefill resumes it chunk by chunk.
-            n = min(want, budget) if (self.chunked or want == 1) else want
-            if n > budget or not self.bm.can_swap_in(seq, n):
-                break
-            self.swapped.popleft()
-            batch.swap_in.extend(self.bm.swap_in(seq))
-            budget -= self._admit(seq, n, batch)
+        # 2. sequences held outside the pool come back before new requests (FCFS), not in a step that preempted.
+        if self._held_outside() and not batch.num_preempted:
+            budget = self.preemption.resume(self, batch, budget)
         # 3. waiting sequences, taking turns across requests, while both budgets and the pool allow.
-        while (self.waiting and not self.swapped and not batch.num_preempted and budget > 0
+        while (self.waiting and not self._held_outside() and not batch.num_preempted and budget > 0
                and len(batch.seqs) < self.max_num_seqs):
             seq = self._next_waiting()
             hits = self.bm.cached_prefix(seq)
@@ -204,33 +211,33 @@ class Scheduler:
             seq.num_computed_tokens = self.bm.allocate_prefix(seq, hits)
             if seq.num_cached_tokens == 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
-            budget -= self._admit(seq, n, batch)
+            budget -= self.admit(seq, n, batch)
         # Prefill chunks first, then decodes: the layout the attention backends expect.
         order = sorted(range(len(batch.seqs)), key=lambda j: batch.num_new_tokens[j] == 1)
         batch.seqs = [batch.seqs[j] for j in order]
         batch.num_new_tokens = [batch.num_new_tokens[j] for j in order]
         return batch
 
-    def _fit_speculation(self, seq: Sequence, want: int, budget: int) -> int:
-        """A decoding sequence with k drafts wants 1 + k slots; drafts are dropped (the sequence decodes
-        plainly) rather than outgrow the token budget or take blocks another sequence would lose to
+    def _fit_proposed(self, seq: Sequence, want: int, budget: int) -> int:
+        """A decoding sequence with k proposed tokens wants 1 + k slots; they are dropped (the sequence
+        decodes plainly) rather than outgrow the token budget or take blocks another sequence would lose to
         preemption."""
         spec = seq.spec_token_ids
         del spec[max(0, min(len(spec), budget - want)):]
         if spec and not self.bm.can_append(seq, want + len(spec)):
             spec.clear()
         if not spec:
-            seq.spec_draft_probs = None
-        elif seq.spec_draft_probs is not None:
-            seq.spec_draft_probs = seq.spec_draft_probs[:len(spec)]
+            seq.spec_token_probs = None
+        elif seq.spec_token_probs is not None:
+            seq.spec_token_probs = seq.spec_token_probs[:len(spec)]
         return want + len(spec)
 
     def _next_waiting(self) -> Sequence:
-        """Whose turn it is: the first waiting sequence of the request holding the fewest running or swapped
-        sequences, the earliest request among equals.
+        """Whose turn it is: the first waiting sequence of the request holding the fewest running (or held
+        outside) sequences, the earliest request among equals.
 
         The walk stops at the first request holding none, so it visits at most one request more than there
-        are requests holding sequences (<= the running and swapped sequences), however long the queue is.
+        are requests holding sequences (<= the running and held ones), however long the queue is.
         """
         best, fewest = None, None
         for request_id, group in self.waiting.requests():
@@ -242,15 +249,15 @@ class Scheduler:
         return best
 
     def _hold(self, seq: Sequence, change: int) -> None:
-        """Count `seq` in (+1) or out (-1) of its request's running-or-swapped sequences."""
+        """Count `seq` in (+1) or out (-1) of its request's running (or held outside) sequences."""
         held = self._held.get(seq.request_id, 0) + change
         if held:
             self._held[seq.request_id] = held
         else:
             self._held.pop(seq.request_id, None)
 
-    def _admit(self, seq: Sequence, n: int, batch: ScheduledBatch) -> int:
-        """Give a (swapped-in or newly admitted) sequence slots for n tokens and run it this step."""
+    def admit(self, seq: Sequence, n: int, batch: ScheduledBatch) -> int:
+        """Give a (newly admitted or returning) sequence slots for n tokens and run it this step."""
         self.bm.append_slots(seq, n)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
@@ -263,14 +270,10 @@ class Scheduler:
         # which is the one it is placing or one it has not reached (it walks oldest first).
         assert seq not in batch.seqs, "preempting a sequence already scheduled in this step"
         self.running.remove(seq)
-        seq.spec_token_ids, seq.spec_draft_probs = [], None
+        seq.spec_token_ids, seq.spec_token_probs = [], None
         self.num_preemptions += 1
         batch.num_preempted += 1
-        if self.preemption_mode == "swap" and self.bm.can_swap_out(seq):
-            batch.swap_out.extend(self.bm.swap_out(seq))
-            seq.status = SequenceStatus.SWAPPED
-            self.swapped.appendleft(seq)
-        else:
+        if self.preemption is None or not self.preemption.preempt(seq, batch):  # recompute
             self.bm.free_seq(seq)
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING

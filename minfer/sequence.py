@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import numbers
 import re
 
 from minfer.outputs import CompletionOutput
@@ -19,7 +20,7 @@ from minfer.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    SWAPPED = "swapped"
+    OFFLOADED = "offloaded"  # preempted, its KV kept outside the pool by a preemption policy (minfer/swap.py)
     FINISHED = "finished"
 
 
@@ -69,7 +70,7 @@ class Sequence:
         # Speculative decoding (minfer.spec_decode): this step's draft tokens, and the draft's q [k, V] (None
         # for a deterministic proposer). Set by the engine before scheduling, cleared after the step.
         self.spec_token_ids: list[int] = []
-        self.spec_draft_probs = None
+        self.spec_token_probs = None
 
     # -- views --------------------------------------------------------------------------------------
     @property
@@ -158,3 +159,18 @@ def validate_prompt(prompt_token_ids: list[int], params: SamplingParams, max_mod
             f"prompt ({n} tokens) + min_tokens ({params.min_tokens}) = {n + params.min_tokens} exceeds "
             f"max_model_len ({max_model_len}); at most {max_model_len - n} new tokens fit. "
             "Lower min_tokens or raise max_model_len.")
+
+
+def prompt_list(prompts) -> list:
+    """One prompt or a list of them (strings, token-id lists, vLLM's prompt dicts) as a list.
+
+    Raises:
+        TypeError: `prompts` is none of these forms.
+    """
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                           and isinstance(prompts[0], numbers.Integral)):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError("prompts must be a string, a list of token ids, a dict with 'prompt' or "
+                        f"'prompt_token_ids', or a list of these; got {type(prompts).__name__}")
+    return list(prompts)

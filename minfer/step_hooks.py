@@ -1,11 +1,10 @@
-"""What plugs into `LLMEngine.step` around the plain schedule -> execute -> update -> output loop.
+"""The two features that plug into `LLMEngine.step` as engine extensions (`minfer.extensions`).
 
-    StructuredOutputHook   (chapter 7 §7.5)  prepare(batch): the grammars' token bitmasks before the forward
-                                             accept(seq, token): advance the grammar by each emitted token
-    SpecDecodeHook         (chapter 7b)      propose(running): drafts before scheduling (a draft model's
-                                             forward counts as scheduling time)
-                                             on_executed(batch) / on_emitted(seq, n) / end_step(batch): the
-                                             verified rows' accounting after the forward
+    StructuredOutputHook   (chapter 7 §7.5)  before_forward(batch): the grammars' token bitmasks
+                                             on_token(seq, token): advance the grammar by each emitted token
+    SpecDecodeHook         (chapter 7b)      before_schedule(running): drafts (a draft model's forward counts
+                                             as scheduling time); after_forward / on_row / end_step: the
+                                             verified rows' accounting
 
 The two meet once: a guided sequence drafts and is verified under its grammar, so `SpecDecodeHook` asks the
 structured-output hook for a draft guide and the verification masks.
@@ -15,26 +14,30 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from minfer.extensions import EngineExtension, build_spec_decoder
+
 if TYPE_CHECKING:
+    from minfer.engine import LLMEngine
+    from minfer.sampling_params import SamplingParams
     from minfer.scheduler import ScheduledBatch
-    from minfer.sampling_params import GuidedDecodingParams
     from minfer.sequence import Sequence
-    from minfer.spec_decode.decoder import SpecDecoder
     from minfer.structured_output import StructuredOutputManager
 
 
-class StructuredOutputHook:
+class StructuredOutputHook(EngineExtension):
     """Structured output in the engine step: one grammar matcher per guided sequence
-    (`minfer.structured_output.StructuredOutputManager`), built on the first guided request (llguidance reads
-    the tokenizer once, ~0.5 s).
+    (`minfer.structured_output.StructuredOutputManager`), built on first use (llguidance reads the tokenizer
+    once, ~0.5 s).
 
     Args:
-        tokenizer: the engine's `minfer.tokenizer.Tokenizer` (its Hugging Face tokenizer and EOS ids).
-        vocab_size: the logits width V.
+        engine: the engine (its `tokenizer`, a `minfer.tokenizer.Tokenizer`, and the logits width V).
     """
 
-    def __init__(self, tokenizer, vocab_size: int):
-        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+    name = "structured_output"
+
+    def __init__(self, engine: "LLMEngine"):
+        super().__init__(engine)
+        self.tokenizer, self.vocab_size = engine.tokenizer, engine.model_config.vocab_size
         self.manager: StructuredOutputManager | None = None
 
     def get_manager(self) -> "StructuredOutputManager":
@@ -51,20 +54,20 @@ class StructuredOutputHook:
         """True while some sequence is guided."""
         return self.manager is not None and bool(self.manager.matchers)
 
-    def add(self, seq_ids: list[int], guided: "GuidedDecodingParams") -> None:
+    def add_request(self, seqs: list["Sequence"], params: "SamplingParams") -> None:
         """Compile the grammar of a request's sequences. Raises ValueError for a bad grammar (nothing kept)."""
-        self.get_manager().add(seq_ids, guided)
+        self.get_manager().add([s.seq_id for s in seqs], params.guided_decoding)
 
-    def prepare(self, batch: "ScheduledBatch", speculating: bool) -> None:
-        """Set the batch's grammar bitmask (int32 `[len(batch.seqs), ceil(V/32)]`) and, with `speculating`,
-        the per-position masks a guided row verifies its drafts under. Nothing when no row is guided."""
+    def before_forward(self, batch: "ScheduledBatch") -> None:
+        """Set the batch's token bitmask (int32 `[len(batch.seqs), ceil(V/32)]`) and, when rows carry drafts,
+        the per-position masks a guided row verifies them under. Nothing when no row is guided."""
         if not self.active:
             return
-        batch.grammar_bitmask = self.manager.bitmask(batch.seqs)
-        if speculating:
-            batch.spec_grammar_bitmasks = self.manager.spec_bitmasks(batch.seqs) or None
+        batch.token_bitmask = self.manager.bitmask(batch.seqs)
+        if any(s.spec_token_ids for s in batch.seqs):
+            batch.verify_token_bitmasks = self.manager.spec_bitmasks(batch.seqs) or None
 
-    def accept(self, seq: "Sequence", token: int) -> None:
+    def on_token(self, seq: "Sequence", token: int) -> None:
         """Advance `seq`'s grammar by its new `token`; a complete grammar finishes the sequence ("stop")."""
         if self.manager is not None and self.manager.accept(seq, token) and not seq.is_finished:
             seq.finish_reason = "stop"  # nothing more may follow
@@ -74,37 +77,47 @@ class StructuredOutputHook:
             self.manager.release(seq_ids)
 
 
-class SpecDecodeHook:
-    """Speculative decoding in the engine step, around a `SpecDecoder` (its proposer and metrics).
+class SpecDecodeHook(EngineExtension):
+    """Speculative decoding in the engine step, around a `SpecDecoder` (its proposer and metrics), built from
+    the engine's `speculative_config`.
 
-    Args:
-        decoder: the `SpecDecoder` of `speculative_config`. structured: the engine's structured-output hook
-            (guided sequences draft and verify under their grammar).
+    Raises:
+        ValueError: a draft whose vocabulary or tokenizer is not the target's, or that is shorter-lived
+            (max_position_embeddings) than max_model_len.
     """
 
-    def __init__(self, decoder: "SpecDecoder", structured: StructuredOutputHook):
-        self.decoder, self.structured = decoder, structured
+    name = "spec_decode"
 
-    def propose(self, running: list["Sequence"]) -> None:
+    def __init__(self, engine: "LLMEngine"):
+        super().__init__(engine)
+        self.decoder = build_spec_decoder(engine)
+
+    def _structured(self) -> StructuredOutputHook | None:
+        hook = self.engine.extensions.get("structured_output")
+        return hook if hook is not None and hook.active else None
+
+    def before_schedule(self, running: list["Sequence"]) -> None:
         """Drafts (`seq.spec_token_ids`) for the running sequences that decode this step. A guided sequence
         drafts under its grammar, and its drafts are cut at the first token the grammar refuses."""
-        if self.structured.active:
-            manager = self.structured.manager
+        structured = self._structured()
+        if structured is not None:
+            manager = structured.manager
             with manager.draft_guide() as guide:
                 self.decoder.propose(running, guide)
             manager.truncate_drafts(running)
         else:
             self.decoder.propose(running)
 
-    def on_executed(self, batch: "ScheduledBatch") -> None:
+    def after_forward(self, batch: "ScheduledBatch") -> None:
         """After the forward, before the scheduler's `finish_step`: a verified row counts one computed token
         until its accepted drafts are known (so no block holding a rejected draft is named)."""
         self.decoder.verified(batch)
 
-    def on_emitted(self, seq: "Sequence", num_emitted: int) -> None:
-        """`num_emitted` tokens of `seq`'s verified row were appended: count the accepted drafts, make them
+    def on_row(self, seq: "Sequence", num_appended: int) -> None:
+        """`num_appended` tokens of `seq`'s verified row were appended: count the accepted drafts, make them
         computed and give back the blocks of the rejected ones."""
-        self.decoder.accept(seq, num_emitted, len(seq.spec_token_ids))
+        if seq.spec_token_ids:
+            self.decoder.accept(seq, num_appended, len(seq.spec_token_ids))
 
     def end_step(self, batch: "ScheduledBatch") -> None:
         """No draft outlives its step."""
@@ -112,3 +125,9 @@ class SpecDecodeHook:
 
     def release(self, seq_ids: list[int]) -> None:
         self.decoder.release(seq_ids)
+
+    def stats(self) -> dict:
+        m = self.decoder.metrics
+        return dict(spec_decode_num_drafts=m.num_drafts, spec_decode_num_draft_tokens=m.num_draft_tokens,
+                    spec_decode_num_accepted_tokens=m.num_accepted_tokens,
+                    spec_decode_num_accepted_tokens_per_pos=tuple(m.num_accepted_tokens_per_pos))

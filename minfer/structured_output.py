@@ -229,19 +229,19 @@ class StructuredOutputManager:
         that cannot be accepted.
 
         Only where that keeps the output distribution: greedy requests (a refused draft never equals the
-        masked argmax) and deterministic proposers (n-gram: `spec_draft_probs` is None; the cut drafts are
+        masked argmax) and deterministic proposers (n-gram: `spec_token_probs` is None; the cut drafts are
         still a function of the context). A sampled draft model's drafts are left whole: cutting them on a
         property of the drawn draft would bias Leviathan et al.'s acceptance rule; a refused draft has p = 0
         under the mask and is rejected there."""
         for s in seqs:
             m = self.matchers.get(s.seq_id)
-            if m is None or not s.spec_token_ids or not (s.params.greedy or s.spec_draft_probs is None):
+            if m is None or not s.spec_token_ids or not (s.params.greedy or s.spec_token_probs is None):
                 continue
             n = 0 if m.is_error() else m.validate_tokens(s.spec_token_ids)
             if n < len(s.spec_token_ids):
                 s.spec_token_ids = s.spec_token_ids[:n]
-                if s.spec_draft_probs is not None:
-                    s.spec_draft_probs = s.spec_draft_probs[:n] if n else None
+                if s.spec_token_probs is not None:
+                    s.spec_token_probs = s.spec_token_probs[:n] if n else None
 
     def spec_bitmasks(self, seqs: list) -> dict[int, torch.Tensor]:
         """The masks a speculating guided sequence is verified under: for batch row j with k drafts, int32

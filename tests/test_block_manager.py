@@ -11,6 +11,7 @@ from minfer.block_manager import BlockManager, NoFreeBlocksError, block_hash
 from minfer.sampling_params import SamplingParams
 from minfer.scheduler import Scheduler
 from minfer.sequence import Sequence, SequenceStatus
+from minfer.swap import SwapPreemption, SwappingBlockManager
 
 BS = 4  # tokens per block in every test
 
@@ -198,7 +199,7 @@ def test_eviction_count_grows_with_each_evicted_block():
 # -- swap ---------------------------------------------------------------------------------------------
 
 def test_swap_out_and_in_bookkeeping():
-    bm = BlockManager(num_blocks=6, block_size=BS, num_cpu_blocks=3)
+    bm = SwappingBlockManager(num_blocks=6, block_size=BS, num_cpu_blocks=3)
     s = run_prefill(bm, make_seq(range(10)))  # 3 blocks
     dev = list(s.block_table)
     assert bm.can_swap_out(s)
@@ -215,7 +216,7 @@ def test_swap_out_and_in_bookkeeping():
 
 
 def test_swap_space_limits_and_free_returns_cpu_blocks():
-    bm = BlockManager(num_blocks=8, block_size=BS, num_cpu_blocks=2)
+    bm = SwappingBlockManager(num_blocks=8, block_size=BS, num_cpu_blocks=2)
     big = run_prefill(bm, make_seq(range(10)))  # 3 blocks > 2 CPU blocks
     assert not bm.can_swap_out(big)
     small = run_prefill(bm, make_seq(range(6)))  # 2 blocks
@@ -226,7 +227,7 @@ def test_swap_space_limits_and_free_returns_cpu_blocks():
 
 
 def test_swap_in_needs_room_for_next_token():
-    bm = BlockManager(num_blocks=3, block_size=BS, num_cpu_blocks=3)
+    bm = SwappingBlockManager(num_blocks=3, block_size=BS, num_cpu_blocks=3)
     s = run_prefill(bm, make_seq(range(8)))  # exactly 2 full blocks
     bm.swap_out(s)
     other = make_seq(range(4))
@@ -250,8 +251,9 @@ def test_usage():
 
 def sched(num_blocks=64, max_num_seqs=256, max_num_batched_tokens=2048, chunked=False, mode="recompute",
           num_cpu_blocks=0, prefix=False):
-    bm = BlockManager(num_blocks, BS, num_cpu_blocks, prefix)
-    return Scheduler(bm, max_num_seqs, max_num_batched_tokens, chunked, mode), bm
+    bm = SwappingBlockManager(num_blocks, BS, num_cpu_blocks, prefix)
+    preemption = SwapPreemption(bm) if mode == "swap" else None
+    return Scheduler(bm, max_num_seqs, max_num_batched_tokens, chunked, preemption), bm
 
 
 def step(scheduler, token=7):
@@ -384,8 +386,8 @@ def test_preemption_by_swap_keeps_computed_tokens():
     computed = b.num_computed_tokens
     batch = s.schedule()
     assert batch.num_preempted == 1
-    assert b.status is SequenceStatus.SWAPPED and list(s.swapped) == [b]
-    assert len(batch.swap_out) == 2 and len(bm.swap.cpu_free) == 2
+    assert b.status is SequenceStatus.OFFLOADED and list(s.preemption.swapped) == [b]
+    assert len(batch.kv_transfer.swap_out) == 2 and len(bm.swap.cpu_free) == 2
     assert b.num_computed_tokens == computed  # nothing to recompute
     complete(s, batch)
     for _ in range(20):  # a grows to 16 tokens = the whole pool, then finishes
@@ -395,7 +397,7 @@ def test_preemption_by_swap_keeps_computed_tokens():
     assert a.is_finished and bm.num_free_blocks == 4
     batch = s.schedule()
     assert batch.seqs == [b] and batch.num_new_tokens == [1]  # straight back to decoding
-    assert len(batch.swap_in) == 2 and len(bm.swap.cpu_free) == 4
+    assert len(batch.kv_transfer.swap_in) == 2 and len(bm.swap.cpu_free) == 4
 
 
 def test_all_blocks_free_after_a_workload():

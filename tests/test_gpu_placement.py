@@ -176,10 +176,10 @@ def test_all_reduce_and_all_gather_timers_synchronize(sync_log, monkeypatch):
 
 
 def test_pipeline_timeline_synchronizes_around_each_forward(sync_log):
-    """`Worker.execute_parallel` on a stub worker whose device is CUDA: every recorded forward is bracketed by
+    """`ParallelWorker.execute_parallel` on a stub worker whose device is CUDA: every recorded forward is bracketed by
     a synchronize (the Gantt chart's bars are execution, not launch)."""
     from minfer.parallel.timeline import TimelineRecorder
-    from minfer.worker import Worker
+    from minfer.parallel.worker import ParallelWorker as Worker
 
     def model(ids, ctx, inter=None):
         sync_log.append(("forward", None))
@@ -189,7 +189,7 @@ def test_pipeline_timeline_synchronizes_around_each_forward(sync_log):
     seqs = [SimpleNamespace(prompt_logprobs=None, spec_token_ids=[]) for _ in range(2)]
     stub = SimpleNamespace(
         parallel=ParallelState(), device=torch.device("cuda", 0), num_micro_batches=1, timeline=TimelineRecorder(),
-        pool=SimpleNamespace(swap_out=lambda x: None, swap_in=lambda x: None, copy_blocks=lambda x: None),
+        pool=SimpleNamespace(before_forward=lambda batch: None),
         prepare_inputs=lambda mb: (torch.zeros(2, dtype=torch.long),
                                    SimpleNamespace(logits_indices=torch.tensor([0, 1])), [0, 1]),
         model=model)

@@ -15,6 +15,7 @@ from minfer.attention.kv_quant import dequantize_kv, kv_cache_spec, quantize_kv
 from minfer.attention.torch_ref import PagedTorchBackend, attend
 from minfer.config import EngineArgs, ModelConfig
 from minfer.kv_cache import KVCachePool, bytes_per_block, determine_num_blocks
+from minfer.swap import SwappingKVCachePool
 from minfer.memory import kv_cache_bytes
 from tests.conftest import needs_default_model
 
@@ -134,7 +135,7 @@ def test_pool_bytes_and_blocks_per_budget(name, ratio_vs_fp32):
 
 
 def test_swap_and_copy_move_codes_and_scales():
-    pool = KVCachePool(CFG, 4, 2, torch.float32, torch.device("cpu"), num_cpu_blocks=3, kv_cache_dtype="fp8")
+    pool = SwappingKVCachePool(CFG, 4, 2, torch.float32, torch.device("cpu"), num_cpu_blocks=3, kv_cache_dtype="fp8")
     spec = pool.spec
     for layer, sc in zip(pool.layers, pool.scales):
         codes, scales = quantize_kv(torch.randn(2 * 4 * 2, 3, 64), spec)

@@ -28,10 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "minfer"
 
 # Plain data and formulas every step may use; they import only each other.
-SHARED = {"minfer.config", "minfer.sequence", "minfer.outputs", "minfer.sampling_params", "minfer.memory"}
+SHARED = {"minfer.config", "minfer.sequence", "minfer.outputs", "minfer.sampling_params", "minfer.memory",
+          "minfer.request_params"}
 # The seam that decides, once per worker, how this device runs a step (minfer/platform.py): every step may ask
 # it, and it reaches the CPU wing only inside its functions, for the step that asks.
-SEAM = {"minfer.platform"}
+SEAM = {"minfer.platform", "minfer.extensions", "minfer.kv_cache_plan"}
 # The CPU wing, and the folders that must reach it only through the seam.
 WING = "minfer.cpu"
 TEXTBOOK = ("minfer.model", "minfer.attention", "minfer.quantization", "minfer.kernels")
@@ -202,3 +203,39 @@ def test_lower_layers_load_no_model_module(module):
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "[]", f"importing {module} loaded {r.stdout.strip()}"
+
+
+# The closed core (issue 38): what a learner steps through in one `LLM.generate`. Features attach from
+# outside, through the seams (`SEAM`: the platform, the engine extensions, the KV cache's plan), so no core
+# module imports a feature wing; tests/test_core_path.py checks that their code names none either.
+CORE = {"minfer.llm", "minfer.engine", "minfer.scheduler", "minfer.block_manager", "minfer.prefix_cache",
+        "minfer.sequence", "minfer.sampling_params", "minfer.sampling", "minfer.worker", "minfer.kv_cache",
+        "minfer.tokenizer", "minfer.detokenizer", "minfer.attention.base", "minfer.model.llama",
+        "minfer.model.layers", "minfer.model.positions"}
+FEATURE_WINGS = ("minfer.spec_decode", "minfer.structured_output", "minfer.step_hooks", "minfer.beam_search",
+                 "minfer.swap", "minfer.parallel", "minfer.kv_cache_groups", "minfer.attention.grouped",
+                 "minfer.cpu")  # their settings (minfer/request_params.py) are shared data
+
+
+def core_wing_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of a feature wing by a core module."""
+    return [f"{mod} imports {dep}" for mod, deps in sorted(graph.items()) if mod in CORE
+            for dep in sorted(deps) if any(dep == w or dep.startswith(w + ".") for w in FEATURE_WINGS)]
+
+
+def test_core_imports_no_feature_wing():
+    graph = import_graph()
+    assert CORE <= set(graph), sorted(CORE - set(graph))
+    assert core_wing_imports(graph) == []
+
+
+def test_the_core_check_can_fail():
+    assert core_wing_imports({"minfer.engine": {"minfer.spec_decode.decoder"}})
+    assert core_wing_imports({"minfer.scheduler": {"minfer.swap"}})
+    assert not core_wing_imports({"minfer.engine": {"minfer.extensions"}, "minfer.swap": {"minfer.scheduler"}})
+    path = PKG / "_core_probe.py"
+    try:  # a function-level import is an import too
+        path.write_text("def f():\n    from minfer.parallel.apply import parallelize\n")
+        assert core_wing_imports({"minfer.worker": imports_of(path)})
+    finally:
+        path.unlink()

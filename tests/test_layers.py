@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from minfer.model.layers import Linear, TiedEmbedding, process_weights_after_loading
 from minfer.cpu.linear import LINEAR_METHODS, SplitLinearMethod, onednn_available, onednn_supports
-from minfer.model.linear_method import default_weight_loader
+from minfer.model.layers import default_weight_loader
 from minfer.platform import get_linear_method, get_platform
 
 

@@ -10,6 +10,7 @@ import torch
 from minfer import memory
 from minfer.config import ModelConfig
 from minfer.kv_cache import KVCachePool, bytes_per_block
+from minfer.swap import SwappingKVCachePool
 from minfer.attention import ContiguousBackend
 
 
@@ -60,7 +61,7 @@ def test_pool_bytes_are_its_tokens_through_the_formula(dtype, num_blocks, block_
 
 def test_pool_swap_space_is_not_counted_in_device_bytes():
     cfg = tiny_config()
-    pool = KVCachePool(cfg, 4, 8, torch.float32, torch.device("cpu"), num_cpu_blocks=3)
+    pool = SwappingKVCachePool(cfg, 4, 8, torch.float32, torch.device("cpu"), num_cpu_blocks=3)
     assert pool.nbytes == memory.kv_cache_bytes(3, 1, 32, 2, 8, torch.float32)
     cpu = sum(t.numel() * t.element_size() for t in pool.cpu_layers)
     assert cpu == memory.kv_cache_bytes(3, 1, 24, 2, 8, torch.float32)

@@ -273,9 +273,11 @@ class _SlowGrammarEngine:
         import threading
 
         self.requests, self.added, self.discarded = {}, [], []
-        self.structured_output = self
-        self.structured_hook = self  # the engine's StructuredOutputHook: get_manager() gives the manager
         self.compiled = threading.Event()
+
+    def extension(self, name):  # the engine's StructuredOutputHook: get_manager() gives the manager
+        assert name == "structured_output"
+        return self
 
     def get_manager(self):
         return self

@@ -1,4 +1,5 @@
-"""The three parts `BlockManager` composes, each on its own (minfer/prefix_cache.py, minfer/block_policies.py):
+"""The parts `BlockManager` composes, and swap space, each on its own (minfer/prefix_cache.py,
+minfer/block_manager.py, minfer/swap.py):
 
 - `PrefixCache`: the hash chain, naming and finding blocks, the LRU of free named blocks, the counters;
 - `WindowPolicy` / `first_visible_block`: which leading blocks a sliding window makes dead;
@@ -10,7 +11,8 @@ No model and no `BlockManager`: the tests hand the classes plain `Block`s and to
 import pytest
 
 from minfer.block_manager import Block
-from minfer.block_policies import SwapSpace, WindowPolicy, first_visible_block
+from minfer.block_manager import WindowPolicy, first_visible_block
+from minfer.swap import SwapSpace
 from minfer.prefix_cache import PrefixCache, block_hash
 from minfer.sampling_params import SamplingParams
 from minfer.sequence import Sequence

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from minfer.cpu.linear import CpuQuantKernels
 from minfer.model.layers import Linear
-from minfer.model.linear_method import UnquantizedLinearMethod
+from minfer.model.layers import UnquantizedLinearMethod
 from minfer.quantization import get_quantization_method, parse_quantization_config
 from minfer.quantization.int4 import (Int4LinearMethod, dequantize_int4, int4pack_block, pack_int4, quantize_int4,
                                       unpack_int4)

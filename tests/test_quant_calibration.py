@@ -184,7 +184,7 @@ def test_awq_folds_leave_the_float_model_unchanged(tiny):
 @pytest.mark.parametrize("method", ["awq", "gptq", "gptq-act", "int4", "int8"])
 def test_saved_directory_round_trips(tiny, tmp_path, method, monkeypatch):
     from minfer import LLM
-    from minfer.model.linear_method import UnquantizedLinearMethod
+    from minfer.model.layers import UnquantizedLinearMethod
     from minfer.model.loader import load_model
     from minfer.quantization import calibrate as cal
     from minfer.quantization.checkpoint import PrequantizedLinearMethod

@@ -77,8 +77,8 @@ def _run(model, prompts, params, **kw):
     eng = llm.llm_engine
     assert eng.all_blocks_free(), "target blocks leaked"
     assert not eng.has_unfinished_requests()
-    if eng.spec_decoder is not None and hasattr(eng.spec_decoder.proposer, "bm"):
-        bm = eng.spec_decoder.proposer.bm
+    if "spec_decode" in eng.extensions and hasattr(eng.extensions["spec_decode"].decoder.proposer, "bm"):
+        bm = eng.extensions["spec_decode"].decoder.proposer.bm
         assert bm.num_free_blocks == bm.num_total_blocks, "draft blocks leaked"
     return llm, [o.outputs[0].token_ids for o in outs]
 
@@ -279,12 +279,12 @@ def test_quantized_draft_greedy_equals_no_speculation(models, reference, draft, 
     llm, got = _run(models["target"], _prompts(), GREEDY, speculative_config=spec, **ENGINE_CONFIGS["plain"])
     assert got == reference
     eng = llm.llm_engine
-    draft_methods = [type(m.method) for m in eng.spec_decoder.proposer.worker.model.modules() if hasattr(m, "method")]
+    draft_methods = [type(m.method) for m in eng.extensions["spec_decode"].decoder.proposer.worker.model.modules() if hasattr(m, "method")]
     assert any(issubclass(t, QuantizedLinearMethod) for t in draft_methods), "the draft was not quantized"
     assert not any(isinstance(m.method, QuantizedLinearMethod) for m in eng.executor.driver_worker.model.modules()
                    if hasattr(m, "method")), "the target must stay unquantized"
     if quant == "int4":
-        assert {m.group_size for m in eng.spec_decoder.proposer.worker.model.modules() if hasattr(m, "group_size")} \
+        assert {m.group_size for m in eng.extensions["spec_decode"].decoder.proposer.worker.model.modules() if hasattr(m, "group_size")} \
             == {32}
     st = llm.stats()
     assert st.spec_decode_num_drafts > 0 and 0 < st.spec_decode_num_accepted_tokens

@@ -67,7 +67,7 @@ def test_greedy_guided_output_equals_no_speculation_and_speculates(models, plain
     stats = llm.stats()
     assert stats.spec_decode_num_draft_tokens > 0 and stats.spec_decode_num_accepted_tokens > 0, stats
     engine = llm.llm_engine
-    assert engine.all_blocks_free() and not engine.structured_output.matchers
+    assert engine.all_blocks_free() and not engine.extension("structured_output").manager.matchers
 
 
 def test_sampled_guided_output_with_speculation_is_valid(models):
@@ -80,12 +80,12 @@ def test_sampled_guided_output_with_speculation_is_valid(models):
         assert o.outputs[0].finish_reason == "stop", o.outputs[0].text
         jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
     assert llm.stats().spec_decode_num_draft_tokens > 0
-    assert llm.llm_engine.all_blocks_free() and not llm.llm_engine.structured_output.matchers
+    assert llm.llm_engine.all_blocks_free() and not llm.llm_engine.extension("structured_output").manager.matchers
 
 
 def test_spec_masks_are_the_matchers_masks_along_the_drafts(plain):
     engine = plain.llm_engine
-    so = engine.structured_hook.get_manager()
+    so = engine.extension("structured_output").get_manager()
     tok = engine.tokenizer.hf
     seq = Sequence("r", 0, [0], greedy_json(), 256)
     so.add([seq.seq_id], seq.params.guided_decoding)

@@ -104,7 +104,7 @@ def test_json_schema_outputs_parse_and_validate(tiny):
         c = o.outputs[0]
         assert c.finish_reason == "stop", c.text
         jsonschema.validate(json.loads(c.text), SCHEMA)
-    assert tiny.llm_engine.all_blocks_free() and not tiny.llm_engine.structured_output.matchers
+    assert tiny.llm_engine.all_blocks_free() and not tiny.llm_engine.extension("structured_output").manager.matchers
 
 
 def test_json_object_regex_choice_and_grammar(tiny):
@@ -163,7 +163,7 @@ def test_paths_give_the_plain_engines_outputs(model, tiny, config):
         jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
     if "kv_cache_memory_bytes" in config:
         assert other.llm_engine.stats().num_preemptions > 0
-    assert other.llm_engine.all_blocks_free() and not other.llm_engine.structured_output.matchers
+    assert other.llm_engine.all_blocks_free() and not other.llm_engine.extension("structured_output").manager.matchers
 
 
 # -- bad input ------------------------------------------------------------------------------------------------
@@ -236,7 +236,7 @@ def test_matcher_in_error_aborts_only_its_request(tiny):
         assert o.outputs[0].finish_reason == "abort", o.outputs[0]
     assert outs[2].outputs[0].token_ids == alone and outs[2].outputs[0].finish_reason == "length"
     engine = tiny.llm_engine
-    assert engine.all_blocks_free() and not engine.structured_output.matchers
+    assert engine.all_blocks_free() and not engine.extension("structured_output").manager.matchers
 
 
 def test_word_level_tokenizer_is_a_clear_error(tmp_path):

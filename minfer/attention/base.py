@@ -13,9 +13,13 @@ A backend does two things per layer, in this order:
 and one thing per forward: `prepare(ctx)` builds what every layer of the forward shares (host-side
 offsets, gather plans), stored in `ctx.attn_metadata` when the context is made, so no layer recomputes it.
 
-The backends: `minfer.attention.torch_ref` (plain torch, contiguous and paged: the references),
-`minfer.cpu.attention` (a C++ decode kernel reading the paged pool in place) and
-`minfer.attention.triton` (the Triton kernels of `minfer.kernels`). `minfer.attention.selector` picks one.
+The plain paged reference the chapters teach is here too: `attend` (one sequence, through
+`F.scaled_dot_product_attention`) and `PagedReferenceBackend` (each sequence gathers its keys through its
+block table and attends on its own): `attention_backend="torch"` over a pool of the model's dtype, what
+`kernels="reference"` runs. The others: `minfer.attention.torch_ref` (the contiguous cache of chapter 1, and a
+batched paged backend that also reads quantized and cast pools), `minfer.cpu.attention` (a C++ decode kernel
+reading the paged pool in place) and `minfer.attention.triton` (the Triton kernels of `minfer.kernels`).
+`minfer.attention.selector` picks one.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -147,3 +152,81 @@ class AttentionBackend(abc.ABC):
                 ctx: ForwardContext) -> torch.Tensor:
         self.store_kv(layer, k, v, ctx)
         return self.attend(layer, q, k, v, ctx)
+
+
+def visibility_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Bool `[..., Tq, Tk]`: key j visible to query i iff k_pos <= q_pos (causal) and, with a sliding
+    window W, q_pos - k_pos < W (the newest W tokens, Mistral's / HF's convention)."""
+    diff = q_pos.unsqueeze(-1) - k_pos.unsqueeze(-2)
+    mask = diff >= 0
+    if window is not None:
+        mask &= diff < window
+    return mask
+
+
+def attend(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of one sequence whose queries are the LAST Tq of its Tk keys.
+
+    q `[Tq, H, D]`, k/v `[Tk, KVH, D]` -> `[Tq, H, D]`. GQA: each group of H/KVH query heads shares one K/V
+    head (torch's `enable_gqa`). This is the reference the kernels are checked against.
+    """
+    tq, tk = q.shape[0], k.shape[0]
+    qh, kh, vh = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    window = layer.sliding_window if layer.sliding_window and layer.sliding_window < tk else None
+    mask, causal = None, False
+    if layer.alibi_slopes is not None or window is not None or (tq > 1 and tq != tk):
+        q_pos = torch.arange(tk - tq, tk, device=q.device)
+        k_pos = torch.arange(tk, device=q.device)
+        mask = visibility_mask(q_pos, k_pos, window)
+        if layer.alibi_slopes is not None:
+            bias = -layer.alibi_slopes.view(-1, 1, 1).to(q.device) * (q_pos.view(-1, 1) - k_pos.view(1, -1)).abs()
+            mask = bias.masked_fill(~mask, float("-inf")).to(q.dtype).unsqueeze(0)
+    elif tq > 1:
+        causal = True
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, scale=layer.scale,
+                                         enable_gqa=layer.num_heads != layer.num_kv_heads)
+    return out[0].transpose(0, 1)
+
+
+@dataclass
+class SequenceSpans:
+    """Host-side offsets of one forward (`ctx.attn_metadata`): for each sequence `(q_start, q_end, num_keys)`,
+    its rows of the flat queries and how many keys it attends to (its context length)."""
+
+    spans: list[tuple[int, int, int]]
+
+
+class PagedReferenceBackend(AttentionBackend):
+    """The paged KV pool read with plain torch, one sequence at a time.
+
+    `kv_caches[layer]` is `[2, num_blocks, block_size, KVH, D]` (K and V). `store_kv` scatters the new k/v
+    `[T, KVH, D]` to their slots (`ctx.slot_mapping [T]`); `attend` gathers each sequence's first `num_keys`
+    keys and values through its block table and runs `attend` on its queries, the last ones of its keys.
+    """
+
+    name = "torch"
+
+    def prepare(self, ctx: ForwardContext) -> SequenceSpans:
+        lens = ctx.context_lens.tolist()
+        cu = ctx.cu_seqlens_q.tolist() if ctx.num_prefills else [0]
+        spans = [(cu[i], cu[i + 1], lens[i]) for i in range(ctx.num_prefills)]
+        first = ctx.num_prefill_tokens  # then one query per decoding sequence
+        spans += [(first + j, first + j + 1, n) for j, n in enumerate(lens[ctx.num_prefills:])]
+        return SequenceSpans(spans)
+
+    def store_kv(self, layer: Attention, k, v, ctx: ForwardContext) -> None:
+        kv = self.kv_caches[layer.layer_idx]
+        flat = kv.view(2, kv.shape[1] * kv.shape[2], *kv.shape[3:])  # [2, num_slots, KVH, D]
+        flat[0].index_copy_(0, ctx.slot_mapping, k)
+        flat[1].index_copy_(0, ctx.slot_mapping, v)
+
+    def attend(self, layer: Attention, q, k, v, ctx: ForwardContext) -> torch.Tensor:
+        kv = self.kv_caches[layer.layer_idx]
+        block_size = kv.shape[2]
+        out = torch.empty_like(q)
+        for i, (q0, q1, n) in enumerate(ctx.attn_metadata.spans):
+            blocks = ctx.block_tables[i, :-(-n // block_size)]
+            keys = kv[0, blocks].flatten(0, 1)[:n]  # [n, KVH, D]
+            vals = kv[1, blocks].flatten(0, 1)[:n]
+            out[q0:q1] = attend(layer, q[q0:q1], keys, vals)
+        return out

@@ -74,6 +74,14 @@ class KVCacheLayout:
         """The per-layer view the attention backends index by `layer.layer_idx` (tensors shared by groups)."""
         return [pool_tensors[j] for j in self.layer_slot]
 
+    def block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        """int32 `[num_groups, num_seqs, max_blocks]`: what the worker passes as `block_tables`."""
+        return stacked_block_tables(seqs)
+
+    def wrap_backend(self, inner: AttentionBackend) -> "GroupedBackend":
+        """`inner` (built over `layer_caches`) run with each layer's own group's block table and slots."""
+        return GroupedBackend(inner, self)
+
     def max_blocks_per_seq(self, num_tokens: int, block_size: int, max_num_batched_tokens: int) -> int:
         """The most blocks one sequence of `num_tokens` tokens holds at once: every token in a full group; in
         a local group the window plus one step's new tokens (written before the window moves past them),

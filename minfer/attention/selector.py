@@ -73,6 +73,10 @@ def get_attn_backend(name: str, kv_caches: list[torch.Tensor], kv_scales: list[t
             if name_in == "cpu":
                 raise ValueError(f"attention_backend='cpu' cannot run here: {e}") from e
             logger.warning("the C++ decode-attention kernel is unavailable (%s); using the torch reference", e)
+    if name_in != "auto" and kv_scales is None and (model_dtype is None or model_dtype == pool.dtype):
+        from minfer.attention.base import PagedReferenceBackend  # the plain one the chapters teach
+
+        return PagedReferenceBackend(kv_caches)
     from minfer.attention.torch_ref import PagedTorchBackend
 
     return PagedTorchBackend(kv_caches, kv_scales, spec)

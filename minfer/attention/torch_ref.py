@@ -1,9 +1,8 @@
-"""The plain-torch attention backends (article §1, §3): the references every kernel is checked against.
+"""Torch attention backends beyond the plain reference (`minfer.attention.base`):
 
-- `attend`: causal attention of one sequence through `F.scaled_dot_product_attention` (GQA, sliding window,
-  ALiBi), the reference of the Triton kernels and of the C++ decode kernel.
-- `ContiguousBackend`: chapter 1's KV cache, one sequence, one preallocated tensor per layer.
-- `PagedTorchBackend`: chapter 3's paged pool, read through block tables.
+- `ContiguousBackend`: chapter 1's KV cache, one sequence, one preallocated tensor per layer (any pool dtype).
+- `PagedTorchBackend`: chapter 3's paged pool read with torch, batched for speed and able to read quantized
+  (int8/fp8) and cast pools; the fallback where no kernel runs, and the base of the CPU wing's backend.
 """
 
 from __future__ import annotations
@@ -13,42 +12,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from minfer.attention.base import Attention, AttentionBackend, ForwardContext
+from minfer.attention.base import Attention, AttentionBackend, ForwardContext, attend, visibility_mask  # noqa: F401
 from minfer.attention.kv_quant import SCALE_DTYPE, KVCacheSpec, dequantize_kv, kv_cache_spec, quantize_kv, raw
-
-
-def visibility_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """Bool `[..., Tq, Tk]`: key j visible to query i iff k_pos <= q_pos (causal) and, with a sliding
-    window W, q_pos - k_pos < W (the newest W tokens, Mistral's / HF's convention)."""
-    diff = q_pos.unsqueeze(-1) - k_pos.unsqueeze(-2)
-    mask = diff >= 0
-    if window is not None:
-        mask &= diff < window
-    return mask
-
-
-def attend(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention of one sequence whose queries are the LAST Tq of its Tk keys.
-
-    q `[Tq, H, D]`, k/v `[Tk, KVH, D]` -> `[Tq, H, D]`. GQA: each group of H/KVH query heads shares one K/V
-    head (torch's `enable_gqa`). This is the reference the kernels are checked against.
-    """
-    tq, tk = q.shape[0], k.shape[0]
-    qh, kh, vh = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-    window = layer.sliding_window if layer.sliding_window and layer.sliding_window < tk else None
-    mask, causal = None, False
-    if layer.alibi_slopes is not None or window is not None or (tq > 1 and tq != tk):
-        q_pos = torch.arange(tk - tq, tk, device=q.device)
-        k_pos = torch.arange(tk, device=q.device)
-        mask = visibility_mask(q_pos, k_pos, window)
-        if layer.alibi_slopes is not None:
-            bias = -layer.alibi_slopes.view(-1, 1, 1).to(q.device) * (q_pos.view(-1, 1) - k_pos.view(1, -1)).abs()
-            mask = bias.masked_fill(~mask, float("-inf")).to(q.dtype).unsqueeze(0)
-    elif tq > 1:
-        causal = True
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, scale=layer.scale,
-                                         enable_gqa=layer.num_heads != layer.num_kv_heads)
-    return out[0].transpose(0, 1)
 
 
 _attend_sequence = attend  # for the backends' class bodies, where `attend` is their own method

@@ -1,4 +1,4 @@
-"""`python -m minfer.bench gemv`: why `minfer.model.layers.Linear` repacks its weights (`minfer.model.linear_method`).
+"""`python -m minfer.bench gemv`: why `minfer.model.layers.Linear` repacks its weights (`minfer.model.layers`).
 
 Part 1, one row (batch-1 decode). For each weight shape of SmolLM2-135M, `copies` matrices (30, one per
 layer, so that they stream from memory rather than sit in a 32 MiB L3 cache) are multiplied by one token's
@@ -44,7 +44,7 @@ def _layer(in_f: int, out_f: int, splits: int, layout: str) -> Linear:
 @torch.inference_mode()
 def measure(in_f: int, out_f: int, layout: str, splits: int = 1, copies: int = 30, repeats: int = 7) -> float:
     """GB/s of float32 weight bytes streamed by `copies` matrix-vector products in `layout` ("nn", "split"
-    with `splits` column slices, "onednn"; see `minfer.model.linear_method`)."""
+    with `splits` column slices, "onednn"; see `minfer.model.layers`)."""
     layers = [_layer(in_f, out_f, splits, layout) for _ in range(copies)]
     x = torch.randn(1, in_f)
     t = best_time(lambda: [lin(x) for lin in layers], repeats)

@@ -147,7 +147,7 @@ def _tp_points(model: str, sizes: list[int], decode_tokens: int, prompt_len: int
             for workload in ("decode", "prefill"):
                 if tp > 1:
                     ex.comm_stats()
-                f0 = eng._fwd_time
+                f0 = eng.forward_time_s
                 t0 = time.perf_counter()
                 if workload == "decode":
                     o = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=decode_tokens,
@@ -157,7 +157,7 @@ def _tp_points(model: str, sizes: list[int], decode_tokens: int, prompt_len: int
                     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))
                     tokens = prompt_len
                 wall = time.perf_counter() - t0
-                fwd = eng._fwd_time - f0
+                fwd = eng.forward_time_s - f0
                 pt = dict(tp=tp, workload=workload, tokens=tokens, wall_s=wall, forward_s=fwd,
                           tokens_per_s=tokens / wall)
                 if tp > 1:

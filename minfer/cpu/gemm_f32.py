@@ -4,7 +4,7 @@
 A decode step multiplies every weight matrix by one row per running sequence. At 16 rows that product sits at
 this CPU's balance point: each weight float feeds 16 FMAs, so the cores compute about as fast as DRAM delivers
 the weights, and the time is lost wherever the two take turns. oneDNN's float32 kernel (what the "onednn" and
-"hybrid" layouts of `minfer.model.linear_method` run) is tuned for many rows; on the 16-row decode step of
+"hybrid" layouts of `minfer.model.layers` run) is tuned for many rows; on the 16-row decode step of
 SmolLM2 it took ~42 ms for the linears, this kernel ~34 (`benchmarks/gemm_f32_cpu.py`, chapter 9 §9.2.6).
 
 The layout: `pack_weight(w [N, K]) -> [ceil(N/16), K, 16]`, panels of 16 output features, one 64-byte line per

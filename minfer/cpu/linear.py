@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from minfer.cpu.gemm_f32 import gemm_f32_available, gemm_f32_unchecked, pack_weight, unpack_rows
-from minfer.model.linear_method import UnquantizedLinearMethod
+from minfer.model.layers import UnquantizedLinearMethod
 
 if TYPE_CHECKING:
     from minfer.model.layers import Linear

@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from minfer.config import DEFAULT_MODEL
-from minfer.llm import LLM
+from minfer import LLM
 from minfer.sampling_params import SamplingParams
 from minfer.sequence import validate_prompt
 

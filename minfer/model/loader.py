@@ -21,9 +21,10 @@ from minfer.config import DEFAULT_MODEL, MODEL_DTYPES, ModelConfig, torch_dtype
 from minfer.memory import physical_memory_bytes
 from minfer.model.gguf import load_gguf, load_gguf_blocks
 from minfer.model.layers import BuildOptions, process_weights_after_loading
-from minfer.model.linear_method import LinearMethodBase, default_weight_loader
+from minfer.model.layers import LinearMethodBase, default_weight_loader
 from minfer.platform import default_device, get_platform
 from minfer.model.registry import config_from_hf, model_class
+from minfer.parallel.parallel_state import get_parallel_state
 from minfer.model.sources import ModelSource, resolve_model
 from minfer.quantization import get_quantization_method
 from minfer.quantization.checkpoint import (SAVED_METHODS, PrequantizedLinearMethod, read_quantization_config,
@@ -390,6 +391,10 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
     try:
         with torch.device(device):
             model = model_class(cfg.architecture)(cfg, max_positions=max_positions, build=build)
+            if get_parallel_state().world_size > 1:  # this rank's shard of the model (chapter 12)
+                from minfer.parallel.apply import parallelize
+
+                parallelize(model)
     except RuntimeError as exc:  # the allocator's own words ("can't allocate memory") name no field
         if "alloc" not in str(exc) and "out of memory" not in str(exc):
             raise

@@ -1,4 +1,4 @@
-"""Weight quantization (article §5): each method is a `LinearMethod` (`minfer.model.linear_method`).
+"""Weight quantization (article §5): each method is a `LinearMethod` (`minfer.model.layers`).
 
     "int8"   per-output-channel symmetric INT8, quantized at load time   (`minfer.quantization.int8`);
              {"kernel": "torch"} keeps the activations in bfloat16 on a CPU too (W8A16, not the integer GEMM's W8A8)
@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from minfer.model.linear_method import LinearMethodBase
+from minfer.model.layers import LinearMethodBase
 
 # The names and the validation live in `minfer.config` (shared data, which every layer may read).
 from minfer.config import (CONFIG_KEYS, INT4_GROUP_SIZES, NOT_BUILT_METHODS, QUANTIZATION_METHODS,  # noqa: F401

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minfer.model.linear_method import LinearMethodBase, UnquantizedLinearMethod
+from minfer.model.layers import LinearMethodBase, UnquantizedLinearMethod
 
 # Where the integer GEMM does not build: most rows that take torch's packed ops; above, the dequantize route.
 # Measured crossover on 2 cores between 4 and 16 rows for SmolLM2's shapes.

@@ -51,7 +51,7 @@ class QuantizedWeights:
 
 def load_for_calibration(model: str):
     """`minfer.model.loader.load_model(model)` in float32 with plain `[out, in]` weights, on the CPU."""
-    from minfer.model.linear_method import UnquantizedLinearMethod
+    from minfer.model.layers import UnquantizedLinearMethod
     from minfer.model.loader import load_model
 
     return load_model(model, dtype="float32", device="cpu", linear_method=UnquantizedLinearMethod())

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from minfer.config import INT4_GROUP_SIZES
-from minfer.model.linear_method import LinearMethodBase
+from minfer.model.layers import LinearMethodBase
 from minfer.quantization import formats
 from minfer.quantization.gguf import GGUFLinearMethod
 from minfer.quantization.int8 import Int8LinearMethod

@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minfer.model.linear_method import LinearMethodBase, UnquantizedLinearMethod
+from minfer.model.layers import LinearMethodBase, UnquantizedLinearMethod
 from minfer.quantization.base import KERNEL_MAX_ROWS, store
 from minfer.quantization.int4 import Int4LinearMethod
 

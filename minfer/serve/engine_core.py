@@ -232,7 +232,7 @@ class EngineCore:
                 self.engine.abort_request(rids)
 
     def _can_precompile(self) -> bool:
-        return getattr(self.engine, "structured_hook", None) is not None
+        return hasattr(self.engine, "extension")
 
     def _start_compile(self, cmd) -> None:
         """Compile the request's grammar in the worker thread; the request is added when it is ready."""
@@ -241,7 +241,7 @@ class EngineCore:
         if self._compiler is None:
             self._compiler = ThreadPoolExecutor(1, thread_name_prefix="minfer-grammar")
         guided = cmd[3].guided_decoding
-        manager = self.engine.structured_hook.get_manager()  # made here, in the engine's thread, not the compiler's
+        manager = self.engine.extension("structured_output").get_manager()  # made here, in the engine's thread, not the compiler's
         future = self._compiler.submit(manager.precompile, guided)
         self._compiling.append([future, cmd, time.perf_counter(), False])
 

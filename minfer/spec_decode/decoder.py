@@ -54,11 +54,11 @@ class SpecDecoder:
             return
         if self.method == "ngram":
             for s, k in zip(seqs, ks):
-                s.spec_token_ids, s.spec_draft_probs = self.proposer.propose(s.all_token_ids, k), None
+                s.spec_token_ids, s.spec_token_probs = self.proposer.propose(s.all_token_ids, k), None
         else:
             drafts, probs = self.proposer.propose(seqs, ks, guide)
             for s, d, q in zip(seqs, drafts, probs):
-                s.spec_token_ids, s.spec_draft_probs = d, q
+                s.spec_token_ids, s.spec_token_probs = d, q
 
     def verified(self, batch: "ScheduledBatch") -> None:
         for j, s in enumerate(batch.seqs):
@@ -76,7 +76,7 @@ class SpecDecoder:
 
     def clear(self, seqs) -> None:
         for s in seqs:
-            s.spec_token_ids, s.spec_draft_probs = [], None
+            s.spec_token_ids, s.spec_token_probs = [], None
 
     def release(self, seq_ids) -> None:
         release = getattr(self.proposer, "release", None)

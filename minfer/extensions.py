@@ -1,0 +1,143 @@
+"""Engine extensions: features that plug into `LLMEngine.step` from outside the core.
+
+The core engine runs a plain loop: schedule -> execute -> update -> output. A feature that must act inside
+that loop is an `EngineExtension`, attached by name. The core calls its hooks and names no feature:
+
+    add_request(seqs, params)   a request that asked for it arrives (may raise ValueError: nothing is queued)
+    before_schedule(running)    e.g. speculative decoding's drafts (they take KV slots)
+    before_forward(batch)       e.g. structured output's token bitmasks
+    after_forward(batch)        right after the forward, before the scheduler's `finish_step`
+    on_token(seq, token)        each appended token (e.g. a grammar advances)
+    on_row(seq, num_appended)   after a sampled row's tokens were appended (e.g. accepted drafts)
+    end_step(batch)             after the step's update
+    release(seq_ids)            finished or aborted sequences
+    stats()                     extra `EngineStats` fields
+
+Which extensions run is decided by the settings, not by the core: `EngineArgs.extensions` names those the
+engine attaches when it starts (speculative decoding), and `SamplingParams.extensions` those a request
+needs (structured output, attached on the first such request). With default settings no extension is
+attached, so stepping through `LLM.generate` visits only the core.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from minfer.engine import LLMEngine
+    from minfer.sampling_params import SamplingParams
+    from minfer.scheduler import ScheduledBatch
+    from minfer.sequence import Sequence
+
+# name -> "module:class" of its EngineExtension (imported on first use)
+EXTENSIONS = {
+    "structured_output": "minfer.step_hooks:StructuredOutputHook",
+    "spec_decode": "minfer.step_hooks:SpecDecodeHook",
+}
+
+
+class EngineExtension:
+    """Base class of what plugs into the engine step; every hook does nothing unless overridden.
+
+    Args:
+        engine: the `LLMEngine` it is attached to (its tokenizer, scheduler, block manager, worker).
+    """
+
+    name = ""
+
+    def __init__(self, engine: "LLMEngine"):
+        self.engine = engine
+
+    def add_request(self, seqs: list["Sequence"], params: "SamplingParams") -> None:
+        pass
+
+    def before_schedule(self, running: list["Sequence"]) -> None:
+        pass
+
+    def before_forward(self, batch: "ScheduledBatch") -> None:
+        pass
+
+    def after_forward(self, batch: "ScheduledBatch") -> None:
+        pass
+
+    def on_token(self, seq: "Sequence", token: int) -> None:
+        pass
+
+    def on_row(self, seq: "Sequence", num_appended: int) -> None:
+        pass
+
+    def end_step(self, batch: "ScheduledBatch") -> None:
+        pass
+
+    def release(self, seq_ids: list[int]) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {}
+
+
+def build_extension(name: str, engine: "LLMEngine") -> EngineExtension:
+    """The extension called `name`, attached to `engine`. Raises ValueError for an unknown name."""
+    if name not in EXTENSIONS:
+        raise ValueError(f"unknown engine extension {name!r}: one of {sorted(EXTENSIONS)}")
+    module, cls = EXTENSIONS[name].split(":")
+    return getattr(importlib.import_module(module), cls)(engine)
+
+
+def load_verifier(args, sampler, generator):
+    """What a worker verifies rows carrying proposed tokens with: a `RejectionVerifier` when `args`
+    (`EngineArgs`) speculate, else None (no row ever carries any)."""
+    if "spec_decode" not in args.extensions:
+        return None
+    from minfer.spec_decode.verifier import RejectionVerifier
+
+    return RejectionVerifier(sampler, generator)
+
+
+def build_spec_decoder(engine: "LLMEngine"):
+    """The proposer of the engine's `speculative_config` (chapter 7b), in a `SpecDecoder`. A draft model gets
+    a worker and a KV pool of its own with as many token slots as the target's.
+
+    Raises:
+        ValueError: see `SpecDecodeHook`.
+    """
+    from minfer.block_manager import BlockManager
+    from minfer.model.gguf import gguf_cache_path
+    from minfer.spec_decode.decoder import SpecDecoder
+    from minfer.spec_decode.draft_model import DraftModelProposer
+    from minfer.spec_decode.ngram import NgramProposer
+    from minfer.tokenizer import load_tokenizer
+    from minfer.worker import Worker
+
+    args = engine.args
+    num_blocks = engine.block_manager.num_total_blocks
+    spec = args.speculative_config
+    k = spec.num_speculative_tokens
+    if spec.method == "ngram":
+        proposer = NgramProposer(k, spec.prompt_lookup_max, spec.prompt_lookup_min)
+    else:
+        # The draft's quantization is its own (speculative_config's), not the target's.
+        draft = Worker(dataclasses.replace(args, model=spec.model, tokenizer=None, speculative_config=None,
+                                           max_model_len=engine.max_model_len, quantization=spec.quantization,
+                                           quantization_config=spec.quantization_config))
+        target_cfg = engine.model_config.config
+        if draft.config.vocab_size != target_cfg.vocab_size:
+            raise ValueError(f"the draft {spec.model!r} has a vocabulary of {draft.config.vocab_size} tokens, "
+                             f"the target {target_cfg.vocab_size}: a draft must share the target's tokenizer")
+        try:
+            draft_tok = load_tokenizer(draft.source, draft.eos_token_ids,
+                                       cache_dir=gguf_cache_path(draft.source.path) / "tokenizer"
+                                       if draft.source.kind == "gguf" else None)
+        except (OSError, ValueError):
+            draft_tok = None  # a draft without tokenizer files: the vocabulary size was checked
+        if draft_tok is not None and draft_tok.hf.get_vocab() != engine.tokenizer.hf.get_vocab():
+            raise ValueError(f"the draft {spec.model!r} has another tokenizer than the target (same size, "
+                             "different tokens): a draft must share the target's tokenizer")
+        if draft.config.max_position_embeddings < engine.max_model_len:
+            raise ValueError(f"the draft {spec.model!r} handles {draft.config.max_position_embeddings} "
+                             f"positions, fewer than max_model_len={engine.max_model_len}")
+        draft.init_kv_cache(num_blocks, 0)
+        proposer = DraftModelProposer(draft, BlockManager(num_blocks, args.block_size), k)
+    return SpecDecoder(spec.method, proposer, engine.block_manager, k, args.max_num_seqs)
