@@ -35,7 +35,6 @@ from minfer.outputs import ModelRunnerOutput
 from minfer.parallel.parallel_state import get_parallel_state
 from minfer.parallel.pipeline import recv_from_prev_stage, send_to_next_stage, split_micro_batches, stage_layers
 from minfer.parallel.timeline import TimelineRecorder, device_clock
-from minfer.platform import get_platform
 from minfer.sampling import Sampler
 
 if TYPE_CHECKING:
@@ -71,7 +70,7 @@ class Worker:
                             quantization=args.quantization,
                             quantization_config=args.quantization_config,
                             max_parallel_loading_workers=getattr(args, "max_parallel_loading_workers", None),
-                            kernels=args.kernels)
+                            kernels=args.kernels, enforce_eager=args.enforce_eager)
         self.model = loaded.model
         self.config, self.source, self.eos_token_ids, self.dtype = (
             loaded.config, loaded.source, loaded.eos_token_ids, loaded.dtype)
@@ -79,7 +78,7 @@ class Worker:
         # How this device runs a step (minfer/platform.py): allocator settings now, the step runner (built now,
         # with its C++ libraries, not during the first request), the attention backend and sampler in
         # init_kv_cache.
-        self.platform = get_platform(args.kernels, self.device, self.dtype, args.enforce_eager)
+        self.platform = loaded.platform
         self.platform.configure_allocator()
         self.step_runner = self.platform.step_runner(self.model)
         self.cuda_graphs = None  # the CUDA-graph runner, once init_kv_cache has captured it (CudaPlatform)
@@ -135,13 +134,14 @@ class Worker:
         self.pool = KVCachePool(pool_cfg, num_blocks, self.block_size, self.dtype, self.device, num_cpu_blocks,
                                 self.args.kv_cache_dtype)
         scales = self.pool.scales
-        name = self.platform.attention_backend(self.args.attention_backend)
+        name = self.args.attention_backend
         if layout is None:
-            self.backend = get_attn_backend(name, self.pool.layers, scales, self.pool.spec, self.dtype)
+            self.backend = get_attn_backend(name, self.pool.layers, scales, self.pool.spec, self.dtype,
+                                            platform=self.platform)
         else:
             inner = get_attn_backend(name, layout.layer_caches(self.pool.layers),
                                      None if scales is None else layout.layer_caches(scales), self.pool.spec,
-                                     self.dtype)
+                                     self.dtype, platform=self.platform)
             self.backend = GroupedBackend(inner, layout)
         # Triton's fused sampler with its backend, the C++ one on a CPU, else torch's (the platform decides).
         self.sampler = self.platform.sampler(self.generator, self.args.attention_backend)

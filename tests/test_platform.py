@@ -145,8 +145,11 @@ def test_get_platform_picks_by_device_and_kernels():
     with pytest.raises(ValueError, match="kernels"):
         get_platform("fastest", "cpu", torch.float32)
     ref = get_platform("reference", "cpu", torch.float32)
-    assert ref.linear_method().name == "nn" and ref.fused_ops() is False
-    assert ref.attention_backend("auto") == "torch" and ref.attention_backend("cpu") == "cpu"
+    assert ref.linear_method().name == "nn" and ref.fused_ops() is None
+    from minfer.attention import PagedTorchBackend
+
+    assert ref.get_attn_backend_cls("auto", torch.float32, torch.float32) is PagedTorchBackend
+    assert ref.get_attn_backend_cls("cpu", torch.float32, torch.float32) is not PagedTorchBackend  # named: kept
     assert ref.quantization_options() == {"cpu_kernel": None}
     from minfer.sampling import Sampler
 
@@ -160,18 +163,19 @@ def test_cuda_platform_auto_takes_triton_ops_and_sampler_and_graphs_follow_enfor
     ops and sampler too; the CUDA-graph runner is asked for unless enforce_eager or kernels="reference"
     (checked without a GPU: the platform is built for a "cuda" device and the capture is stubbed)."""
     import minfer.cuda_graphs as cg
+    import minfer.kernels
     from minfer.kernels.sampler import TritonSampler
 
     built = []
     monkeypatch.setattr(cg.CudaGraphRunner, "build", classmethod(lambda cls, *a, **kw: built.append(kw) or "runner"))
     auto = CudaPlatform("cuda", torch.bfloat16)
-    assert auto.fused_ops("auto") == "triton" and auto.fused_ops("torch") is False
+    assert auto.fused_ops("auto") is minfer.kernels and auto.fused_ops("torch") is None
     assert isinstance(auto.sampler(None, "auto"), TritonSampler)
     assert auto.graph_runner(object(), object(), max_num_seqs=8, max_blocks_per_seq=4) == "runner"
     assert built and built[0]["max_num_seqs"] == 8 and built[0]["max_blocks_per_seq"] == 4
     assert CudaPlatform("cuda", torch.bfloat16, enforce_eager=True).graph_runner(None, None, 8, 4) is None
     ref = CudaPlatform("cuda", torch.bfloat16, kernels="reference")
-    assert ref.graph_runner(None, None, 8, 4) is None and ref.fused_ops("auto") is False
+    assert ref.graph_runner(None, None, 8, 4) is None and ref.fused_ops("auto") is None
     assert not isinstance(ref.sampler(None, "auto"), TritonSampler)
     assert CpuPlatform("cpu", torch.float32).graph_runner(None, None, 8, 4) is None
 
@@ -186,9 +190,10 @@ def test_bfloat16_takes_onednn_only_where_the_cpu_runs_it():
     assert method.name == ("hybrid" if onednn_supports(torch.bfloat16) else "split")
     assert get_platform("auto", "cpu", torch.float32).linear_method().name == (
         "hybrid" if onednn_supports(torch.float32) else "split")
-    lin = Linear(32, 32, method=method.name)
+    lin = Linear(32, 32, method=method)
     lin.weight.data = torch.randn(32, 32).bfloat16()
     lin.process_weights_after_loading()
     x = torch.randn(3, 32).bfloat16()
     torch.testing.assert_close(lin(x).float(), x.float() @ lin.weight_rows(torch.arange(32)).float().T,
                                rtol=2e-2, atol=2e-2)
+

@@ -21,7 +21,7 @@ from torch import nn
 
 from minfer.attention import Attention, ForwardContext
 from minfer.config import ModelConfig
-from minfer.model.layers import BuildOptions, RMSNorm, fused_kernels, silu_and_mul
+from minfer.model.layers import BuildOptions, RMSNorm, silu_and_mul
 from minfer.model.positions import RotaryEmbedding
 from minfer.parallel.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
                                     VocabParallelEmbedding)
@@ -71,7 +71,7 @@ class LlamaMLP(nn.Module):
         method = build.linear_method
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], bias=bias, method=method)
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, method=method)
-        self.act = fused_kernels(build.fused_ops).silu_and_mul if build.fused_ops else silu_and_mul
+        self.act = build.fused_ops.silu_and_mul if build.fused_ops is not None else silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
