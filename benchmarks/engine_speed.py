@@ -145,7 +145,7 @@ def bench_engine(model_dir: str) -> dict:
         # (kernels="reference" would change the Linear layout, the attention and the sampler too).
         choice = CpuPlatform.fused_ops
         if not fused:
-            CpuPlatform.fused_ops = lambda self, attention_backend="auto": False
+            CpuPlatform.fused_ops = lambda self, attention_backend="auto": None
         try:
             return LLM(model_dir, dtype="float32", max_model_len=1024, max_num_seqs=16,
                        kv_cache_memory_bytes=256 << 20)

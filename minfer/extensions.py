@@ -21,7 +21,6 @@ attached, so stepping through `LLM.generate` visits only the core.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 from typing import TYPE_CHECKING
 
@@ -94,50 +93,3 @@ def load_verifier(args, sampler, generator):
     from minfer.spec_decode.verifier import RejectionVerifier
 
     return RejectionVerifier(sampler, generator)
-
-
-def build_spec_decoder(engine: "LLMEngine"):
-    """The proposer of the engine's `speculative_config` (chapter 7b), in a `SpecDecoder`. A draft model gets
-    a worker and a KV pool of its own with as many token slots as the target's.
-
-    Raises:
-        ValueError: see `SpecDecodeHook`.
-    """
-    from minfer.block_manager import BlockManager
-    from minfer.model.gguf import gguf_cache_path
-    from minfer.spec_decode.decoder import SpecDecoder
-    from minfer.spec_decode.draft_model import DraftModelProposer
-    from minfer.spec_decode.ngram import NgramProposer
-    from minfer.tokenizer import load_tokenizer
-    from minfer.worker import Worker
-
-    args = engine.args
-    num_blocks = engine.block_manager.num_total_blocks
-    spec = args.speculative_config
-    k = spec.num_speculative_tokens
-    if spec.method == "ngram":
-        proposer = NgramProposer(k, spec.prompt_lookup_max, spec.prompt_lookup_min)
-    else:
-        # The draft's quantization is its own (speculative_config's), not the target's.
-        draft = Worker(dataclasses.replace(args, model=spec.model, tokenizer=None, speculative_config=None,
-                                           max_model_len=engine.max_model_len, quantization=spec.quantization,
-                                           quantization_config=spec.quantization_config))
-        target_cfg = engine.model_config.config
-        if draft.config.vocab_size != target_cfg.vocab_size:
-            raise ValueError(f"the draft {spec.model!r} has a vocabulary of {draft.config.vocab_size} tokens, "
-                             f"the target {target_cfg.vocab_size}: a draft must share the target's tokenizer")
-        try:
-            draft_tok = load_tokenizer(draft.source, draft.eos_token_ids,
-                                       cache_dir=gguf_cache_path(draft.source.path) / "tokenizer"
-                                       if draft.source.kind == "gguf" else None)
-        except (OSError, ValueError):
-            draft_tok = None  # a draft without tokenizer files: the vocabulary size was checked
-        if draft_tok is not None and draft_tok.hf.get_vocab() != engine.tokenizer.hf.get_vocab():
-            raise ValueError(f"the draft {spec.model!r} has another tokenizer than the target (same size, "
-                             "different tokens): a draft must share the target's tokenizer")
-        if draft.config.max_position_embeddings < engine.max_model_len:
-            raise ValueError(f"the draft {spec.model!r} handles {draft.config.max_position_embeddings} "
-                             f"positions, fewer than max_model_len={engine.max_model_len}")
-        draft.init_kv_cache(num_blocks, 0)
-        proposer = DraftModelProposer(draft, BlockManager(num_blocks, args.block_size), k)
-    return SpecDecoder(spec.method, proposer, engine.block_manager, k, args.max_num_seqs)

@@ -158,7 +158,7 @@ class LLM:
             self._simple = SimpleGenerator(worker.model, Sampler(worker.generator), OutputProcessor(self.tokenizer),
                                            kv_cache_dtype=engine.args.kv_cache_dtype,
                                            attention_backend=engine.args.attention_backend,
-                                           kernels=engine.args.kernels, enforce_eager=engine.args.enforce_eager)
+                                           platform=worker.platform)
         outs, timings = [], []
         for i in range(params.n):
             seq = Sequence("simple", i, ids, params, engine.max_model_len)

@@ -1,46 +1,58 @@
-"""The one place that decides how this device runs a step (vLLM's `platforms/`): once per worker, from
-`EngineArgs.kernels` and `enforce_eager`.
+"""The one place that decides how this device runs a step (vLLM's `platforms/`): once per engine worker, from
+`EngineArgs.kernels` and `enforce_eager`, for the model's device and dtype. It hands over objects, never names
+that a lower layer would turn back into objects:
 
     get_platform(kernels, device, dtype, enforce_eager) -> CpuPlatform | CudaPlatform | Platform
-      .linear_method()            how every Linear stores and multiplies its weight ("nn", or a CPU layout)
-      .quantization_options()     whether quantized methods may pack for the CPU's integer GEMM
-      .fused_ops(backend)         RMSNorm / SiLU-and-mul / RoPE: False (plain torch), "cpu" or "triton"
-      .attention_backend(name)    what attention_backend="auto" stands for here
-      .contiguous_cache(...)      the simple path's KV cache (chapter 1)
-      .sampler(generator, backend)
-      .step_runner(model)         something that runs a whole decode step in one call, or None
-      .configure_allocator()      malloc settings for a CPU server
+      .linear_method()                      the `LinearMethod` of every float `Linear`
+      .quantization_options()               keyword arguments of the quantized methods (`cpu_kernel`)
+      .fused_ops(attention_backend)         the fused RMSNorm / SiLU-and-mul / RoPE kernels, or None (plain torch)
+      .get_attn_backend_cls(name, ...)      what builds the attention backend `name` stands for here
+      .contiguous_cache(...)                the simple path's KV cache (chapter 1)
+      .sampler(generator, attention_backend)
+      .step_runner(model)                   something that runs a whole decode step in one call, or None
+      .graph_runner(model, backend, ...)    the CUDA-graph step runner, or None
+      .configure_allocator()                malloc settings for a CPU server
 
 `kernels="reference"` is the path the chapters teach: plain PyTorch model code (`F.linear` on `[out, in]`
 weights, torch's RMSNorm/SiLU/RoPE), the torch attention reference, the torch sampler, no step runner, and no
 C++ library loaded. `kernels="auto"` (the default) takes what is fastest here: on a CPU the wing
-`minfer/cpu/` (its `__init__` is the map); on CUDA the Triton kernels where `attention_backend="triton"`.
-`enforce_eager=True` keeps those kernels but runs every step through the model, op by op (no step runner:
-no one-call CPU decode, and on CUDA no graph replay).
+`minfer/cpu/` (its `__init__` is the map); on CUDA the Triton kernels. `enforce_eager=True` keeps those kernels
+but runs every step through the model, op by op (no step runner: no one-call CPU decode, and on CUDA no graph
+replay).
 
-The model files never ask which device they run on: everything device-specific reaches them through what this
-module hands the loader (`BuildOptions`: the `LinearMethod`, the fused ops) and the worker (the attention
-backend, the sampler, the step runner).
+The platform sits above what it chooses from: it imports the model's interfaces, the attention backends and
+(inside its methods, for the step that asks) the CPU wing; none of them imports it. The model files never ask
+which device they run on: the loader (`minfer.model.loader`) builds the platform with the model and hands the
+model its `BuildOptions` (the `LinearMethod`, the fused ops); the worker takes the same platform from the
+loaded model for the attention backend (`minfer.attention.get_attn_backend(..., platform=)`), the sampler and
+the step runner.
 
-Environment overrides, for tests and benchmarks only, are read here and nowhere else:
-    MINFER_LINEAR_LAYOUT   force a CPU Linear layout (nn | split | onednn | hybrid | panels) under "auto"
+Environment overrides, for tests and benchmarks only:
+    MINFER_LINEAR_LAYOUT   force a CPU Linear layout (nn | split | onednn | hybrid | panels) under "auto" (here)
     MINFER_GGUF_ISA        force the integer GEMM's instruction set (scalar | avx2 | vnni; `minfer.cpu.qgemm`)
     MINFER_MALLOC_TUNING   0 / false / no / off: leave glibc's malloc settings alone (`minfer.cpu.malloc`)
 """
 
 from __future__ import annotations
 
+import logging
 import os
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from minfer.attention.base import AttentionBackend, PagedReferenceBackend
+from minfer.attention.torch_ref import ContiguousBackend, PagedTorchBackend
 from minfer.config import KERNELS
 from minfer.model.layers import LinearMethodBase, UnquantizedLinearMethod
 
+if TYPE_CHECKING:
+    from minfer.model.layers import FusedOps
 
-class KernelUnavailable(RuntimeError):
-    """A C++ kernel could not be built or loaded here (the message says why: no compiler, no ninja, a compiler
-    without OpenMP...). Each library of the CPU wing raises its own subclass (`minfer.cpu.build`)."""
+logger = logging.getLogger(__name__)
+
+# What `get_attn_backend_cls` returns: called as `cls(kv_caches, kv_scales, spec)` -> the backend.
+AttentionBackendCls = Callable[..., AttentionBackend]
 
 
 # -- environment overrides (tests and benchmarks) ------------------------------------------------------------
@@ -72,40 +84,12 @@ def get_linear_method(name: str) -> LinearMethodBase:
     return LINEAR_METHODS[name]()
 
 
-def fused_kernels(kind: bool | str):
-    """The module holding `rms_norm`, `fused_add_rms_norm`, `silu_and_mul` and `apply_rotary_` for a
-    `BuildOptions.fused_ops` value: the CPU wing's C++ loops (`minfer.cpu.fused_ops`) for "cpu", `minfer.kernels`
-    (Triton) for "triton" or True. Raises ValueError for another value."""
-    if kind == "cpu":
-        from minfer.cpu import fused_ops
+def triton_fused_ops() -> FusedOps:
+    """The Triton element-wise kernels (`minfer.kernels`: rms_norm, fused_add_rms_norm, silu_and_mul,
+    apply_rotary_), which the Triton attention backend wants beside it."""
+    import minfer.kernels
 
-        return fused_ops
-    if kind is True or kind == "triton":
-        import minfer.kernels
-
-        return minfer.kernels
-    raise ValueError(f"fused_ops must be False, True, 'triton' or 'cpu', got {kind!r}")
-
-
-def cpu_attention_reads(model_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
-    """Whether the CPU wing's paged attention (`minfer.cpu.attention.CpuPagedBackend`) reads a pool of `kv_dtype`
-    under a model computing in `model_dtype` (what attention_backend="auto" picks it for); builds nothing."""
-    return model_dtype in (torch.float32, torch.bfloat16) and kv_dtype in (
-        torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def cpu_paged_backend(kv_caches: list[torch.Tensor], kv_scales: list[torch.Tensor] | None = None, spec=None,
-                      model_dtype: torch.dtype | None = None):
-    """The CPU wing's paged attention backend over `kv_caches` (attention_backend="cpu").
-
-    Raises:
-        KernelUnavailable: its kernel cannot be built here, or cannot run this model or pool (says why).
-    """
-    from minfer.cpu.attention import KERNEL_MODEL_DTYPES, CpuKernelUnavailable, CpuPagedBackend
-
-    if model_dtype not in (None, *KERNEL_MODEL_DTYPES):
-        raise CpuKernelUnavailable(f"it runs float32 or bfloat16 models; this one runs in {model_dtype}")
-    return CpuPagedBackend(kv_caches, kv_scales, spec)
+    return minfer.kernels
 
 
 def default_device() -> "torch.device":
@@ -148,6 +132,9 @@ class Platform:
         device, dtype: where and in what the model computes.
         kernels: "auto" (the fastest this platform has) or "reference" (the textbook path).
         enforce_eager: no step runner (every step through the model's forward).
+
+    Raises:
+        ValueError: `kernels` is not "auto" or "reference".
     """
 
     name = "generic"
@@ -157,7 +144,13 @@ class Platform:
         if kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {', '.join(map(repr, KERNELS))}, got {kernels!r}")
         self.device, self.dtype = torch.device(device), dtype
+        if self.device.type == "cuda" and self.device.index is None and torch.cuda.is_available():
+            self.device = torch.device("cuda", torch.cuda.current_device())  # the device "cuda" puts a model on
         self.kernels, self.enforce_eager = kernels, bool(enforce_eager)
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(device={str(self.device)!r}, dtype={self.dtype}, kernels={self.kernels!r}, "
+                f"enforce_eager={self.enforce_eager})")
 
     @property
     def reference(self) -> bool:
@@ -172,20 +165,35 @@ class Platform:
         CPU layers are packed for (None: the quantized methods' torch routes)."""
         return {"cpu_kernel": None}
 
-    def fused_ops(self, attention_backend: str = "auto") -> bool | str:
-        """`BuildOptions.fused_ops`: "triton" with the Triton attention backend (it wants them), else False."""
-        return "triton" if attention_backend == "triton" else False
+    def fused_ops(self, attention_backend: str = "auto") -> FusedOps | None:
+        """`BuildOptions.fused_ops` of a model run with `attention_backend`: the Triton kernels with the Triton
+        backend (it wants them), else None (plain torch)."""
+        return triton_fused_ops() if attention_backend == "triton" else None
 
-    def attention_backend(self, requested: str) -> str:
-        """The `attention_backend` name to build (`minfer.attention.get_attn_backend`): "auto" stays "auto"
-        (the selector decides), except on the reference path, where it is the torch reference."""
-        return "torch" if self.reference and requested == "auto" else requested
+    def get_attn_backend_cls(self, name: str, model_dtype: torch.dtype, kv_dtype: torch.dtype) -> AttentionBackendCls:
+        """What builds the backend `attention_backend=name` stands for here (vLLM's `get_attn_backend_cls`),
+        called as `cls(kv_caches, kv_scales, spec)` over a paged pool of `kv_dtype` read by a model computing in
+        `model_dtype`. `name` is one of `minfer.config.ATTENTION_BACKENDS` (the selector checked it). Here:
+        "triton" the Triton backend; "torch", and "auto" with kernels="reference", over a pool of the model's
+        dtype the plain reference (`PagedReferenceBackend`); else the batched torch one (`PagedTorchBackend`).
+
+        Raises:
+            ValueError: "cpu": the CPU wing's kernel attends on a CPU only.
+        """
+        if name == "cpu":
+            raise ValueError(f"attention_backend='cpu' cannot run here: the C++ kernel attends on a CPU, and this "
+                             f"model runs on {self.device}")
+        if name == "triton":
+            from minfer.attention.triton import TritonBackend
+
+            return TritonBackend
+        if (name == "torch" or self.reference) and kv_dtype == model_dtype:
+            return PagedReferenceBackend  # the plain paged attention the chapters teach (attention/base.py)
+        return PagedTorchBackend  # batched; reads quantized and cast pools
 
     def contiguous_cache(self, num_layers: int, max_len: int, num_kv_heads: int, head_dim: int,
-                         kv_cache_dtype: str = "auto", attention_backend: str = "auto"):
+                         kv_cache_dtype: str = "auto", attention_backend: str = "auto") -> ContiguousBackend:
         """The simple path's KV cache (`minfer.attention.ContiguousBackend`) for `max_len` tokens."""
-        from minfer.attention import ContiguousBackend
-
         return ContiguousBackend(num_layers, max_len, num_kv_heads, head_dim, self.dtype, self.device,
                                  kv_cache_dtype)
 
@@ -215,9 +223,9 @@ class Platform:
 
 class CpuPlatform(Platform):
     """A CPU. "auto": the CPU wing (`minfer/cpu/`): the hybrid / panels Linear layouts, the integer GEMM of the
-    quantized methods, the fused C++ element-wise ops (float32), the C++ paged attention (by the selector's
-    "auto"), the fused C++ sampler, the one-call decode step, malloc tuning. Each falls back to the torch
-    reference where its C++ does not build here."""
+    quantized methods, the fused C++ element-wise ops (float32), the C++ paged attention, the fused C++
+    sampler, the one-call decode step, malloc tuning. Each falls back to the torch reference where its C++ does
+    not build here."""
 
     name = "cpu"
 
@@ -251,22 +259,38 @@ class CpuPlatform(Platform):
 
         return {"cpu_kernel": CpuQuantKernels()}
 
-    def fused_ops(self, attention_backend: str = "auto") -> bool | str:
-        """"cpu" for a float32 model whose C++ loops build here (they are batch-invariant: a row's bits do not
-        depend on its batch, tests/test_fused_cpu.py), else False; False on the reference path."""
+    def fused_ops(self, attention_backend: str = "auto") -> FusedOps | None:
+        """The C++ loops (`minfer.cpu.fused_ops`) for a float32 model where they build here (they are
+        batch-invariant: a row's bits do not depend on its batch, tests/test_fused_cpu.py); the Triton kernels
+        with the Triton backend; else None, and None on the reference path."""
         if attention_backend == "triton":
-            return "triton"
+            return triton_fused_ops()
         if self.reference or self.dtype != torch.float32:
-            return False
-        from minfer.cpu.fused_ops import fused_cpu_available
+            return None
+        from minfer.cpu import fused_ops
 
-        return "cpu" if fused_cpu_available() else False
+        return fused_ops if fused_ops.fused_cpu_available() else None
+
+    def get_attn_backend_cls(self, name: str, model_dtype: torch.dtype, kv_dtype: torch.dtype) -> AttentionBackendCls:
+        """"cpu", and "auto" under kernels="auto" where the kernel reads this model and pool (a float32 or
+        bfloat16 model; a float32, bfloat16, int8 or fp8 pool): the CPU wing's `CpuPagedBackend`. Built by
+        the factory returned, which falls back to the torch reference with one warning where "auto" finds the
+        kernel unbuildable, and raises ValueError (saying why) where "cpu" does. Else as `Platform`."""
+        if name == "auto" and not self.reference:
+            from minfer.cpu.attention import KERNEL_MODEL_DTYPES, KERNEL_POOL_DTYPES
+
+            if model_dtype in KERNEL_MODEL_DTYPES and kv_dtype in KERNEL_POOL_DTYPES:
+                return _cpu_paged_backend_cls(model_dtype, fall_back=True)
+        if name == "cpu":
+            return _cpu_paged_backend_cls(model_dtype, fall_back=False)
+        return super().get_attn_backend_cls(name, model_dtype, kv_dtype)
 
     def contiguous_cache(self, num_layers: int, max_len: int, num_kv_heads: int, head_dim: int,
-                         kv_cache_dtype: str = "auto", attention_backend: str = "auto"):
+                         kv_cache_dtype: str = "auto", attention_backend: str = "auto") -> ContiguousBackend:
         """`minfer.cpu.attention.CpuContiguousBackend` (its decode steps attend with the C++ kernel the engine
         decodes with) for a float32 or bfloat16 model, unless `attention_backend="torch"` (the engine's choice,
-        followed here so that both sides attend alike) or the kernel does not build; else the torch reference."""
+        followed here so that both sides attend alike), kernels="reference", or the kernel does not build; else
+        the torch reference."""
         if not self.reference and self.dtype in (torch.float32, torch.bfloat16) and attention_backend != "torch":
             from minfer.cpu.attention import CpuContiguousBackend, CpuKernelUnavailable
 
@@ -306,18 +330,48 @@ class CpuPlatform(Platform):
         keep_freed_memory()
 
 
+def _cpu_paged_backend_cls(model_dtype: torch.dtype, fall_back: bool) -> AttentionBackendCls:
+    """A factory of the CPU wing's `CpuPagedBackend` for a model computing in `model_dtype`. Where the kernel
+    cannot run (no compiler, this model's dtype, a pool it cannot read): with `fall_back` (attention_backend
+    "auto") the torch reference and one warning, else ValueError saying why."""
+
+    def build(kv_caches: list[torch.Tensor], kv_scales: list[torch.Tensor] | None = None,
+              spec=None) -> AttentionBackend:
+        from minfer.cpu.attention import KERNEL_MODEL_DTYPES, CpuKernelUnavailable, CpuPagedBackend
+
+        try:
+            if model_dtype not in KERNEL_MODEL_DTYPES:
+                raise CpuKernelUnavailable(f"it runs float32 or bfloat16 models; this one runs in {model_dtype}")
+            return CpuPagedBackend(kv_caches, kv_scales, spec)
+        except CpuKernelUnavailable as e:
+            if not fall_back:
+                raise ValueError(f"attention_backend='cpu' cannot run here: {e}") from e
+            logger.warning("the C++ decode-attention kernel is unavailable (%s); using the torch reference", e)
+            return PagedTorchBackend(kv_caches, kv_scales, spec)
+
+    return build
+
+
 class CudaPlatform(Platform):
-    """A CUDA GPU: "nn" Linear layout (cuBLAS); with kernels="auto" the Triton attention backend (the selector's
-    "auto" on CUDA), Triton's fused element-wise ops and sampler, and the decode step replayed from CUDA graphs
-    (`minfer/cuda_graphs.py`, the same `run(input_ids, ctx) -> hidden | None` shape as the CPU's one-call
-    step); `enforce_eager` turns the graphs off, kernels="reference" all of it."""
+    """A CUDA GPU: "nn" Linear layout (cuBLAS); with kernels="auto" the Triton attention backend, Triton's fused
+    element-wise ops and sampler, and the decode step replayed from CUDA graphs (`minfer/cuda_graphs.py`, the
+    same `run(input_ids, ctx) -> hidden | None` shape as the CPU's one-call step); `enforce_eager` turns the
+    graphs off, kernels="reference" all of it."""
 
     name = "cuda"
 
-    def fused_ops(self, attention_backend: str = "auto") -> bool | str:
+    def fused_ops(self, attention_backend: str = "auto") -> FusedOps | None:
         if self.reference and attention_backend != "triton":
-            return False
-        return "triton" if attention_backend in ("auto", "triton") else False
+            return None
+        return triton_fused_ops() if attention_backend in ("auto", "triton") else None
+
+    def get_attn_backend_cls(self, name: str, model_dtype: torch.dtype, kv_dtype: torch.dtype) -> AttentionBackendCls:
+        """"auto" under kernels="auto": the Triton backend, unless the pool is cast (16-bit K/V under a float32
+        model, which it refuses): then the torch reference, as on the reference path."""
+        if name == "auto" and not self.reference:
+            cast = kv_dtype.is_floating_point and kv_dtype.itemsize > 1 and kv_dtype != model_dtype
+            name = "torch" if cast else "triton"
+        return super().get_attn_backend_cls(name, model_dtype, kv_dtype)
 
     def sampler(self, generator: torch.Generator | None, attention_backend: str = "auto"):
         return super().sampler(generator, "triton" if attention_backend == "auto" else attention_backend)

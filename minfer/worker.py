@@ -30,7 +30,6 @@ from minfer.kv_cache import KVCachePool
 from minfer.kv_cache_plan import kv_cache_groups, make_kv_pool
 from minfer.model.loader import load_model
 from minfer.outputs import ModelRunnerOutput
-from minfer.platform import get_platform
 from minfer.sampling import Sampler
 
 if TYPE_CHECKING:
@@ -58,7 +57,7 @@ class Worker:
                             quantization=args.quantization,
                             quantization_config=args.quantization_config,
                             max_parallel_loading_workers=getattr(args, "max_parallel_loading_workers", None),
-                            kernels=args.kernels)
+                            kernels=args.kernels, enforce_eager=args.enforce_eager)
         self.model = loaded.model
         self.config, self.source, self.eos_token_ids, self.dtype = (
             loaded.config, loaded.source, loaded.eos_token_ids, loaded.dtype)
@@ -66,7 +65,7 @@ class Worker:
         # How this device runs a step (minfer/platform.py): allocator settings now, the step runner (built now,
         # with its C++ libraries, not during the first request), the attention backend and sampler in
         # init_kv_cache.
-        self.platform = get_platform(args.kernels, self.device, self.dtype, args.enforce_eager)
+        self.platform = loaded.platform
         self.platform.configure_allocator()
         self.step_runner = self.platform.step_runner(self.model)
         self.cuda_graphs = None  # the CUDA-graph runner, once init_kv_cache has captured it (CudaPlatform)
@@ -116,8 +115,8 @@ class Worker:
         caches, scales = self.pool.layers, self.pool.scales
         if groups is not None:  # each layer reads its group's tensor, through its group's block table
             caches, scales = groups.layer_caches(caches), None if scales is None else groups.layer_caches(scales)
-        name = self.platform.attention_backend(self.args.attention_backend)
-        self.backend = get_attn_backend(name, caches, scales, self.pool.spec, self.dtype)
+        self.backend = get_attn_backend(self.args.attention_backend, caches, scales, self.pool.spec, self.dtype,
+                                        platform=self.platform)
         if groups is not None:
             self.backend = groups.wrap_backend(self.backend)
         # Triton's fused sampler with its backend, the C++ one on a CPU, else torch's (the platform decides).

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from minfer.cpu import gemm_f32 as g
 from minfer.cpu.linear import onednn_supports
 from minfer.model.layers import Linear
+from minfer.platform import get_linear_method
 
 pytestmark = pytest.mark.skipif(not g.gemm_f32_available(), reason="the C++ float32 GEMM does not build here")
 
@@ -102,7 +103,7 @@ def test_unpack_rows_refuses_ids_outside_the_matrix():
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 40])
 def test_hybrid_linear_takes_panels_for_few_rows_and_equals_f_linear(rows):
     torch.manual_seed(rows)
-    lin = Linear(64, 80, bias=True, method="hybrid")
+    lin = Linear(64, 80, bias=True, method=get_linear_method("hybrid"))
     lin.weight.data.normal_()
     lin.bias.data.normal_()
     w, b = lin.weight.data.clone(), lin.bias.data.clone()
@@ -117,7 +118,7 @@ def test_hybrid_linear_takes_panels_for_few_rows_and_equals_f_linear(rows):
 @pytest.mark.skipif(not onednn_supports(torch.bfloat16),
                     reason="oneDNN's bfloat16 product needs AVX512-BW/VL/DQ or AVX-NE-CONVERT, which this CPU lacks")
 def test_bfloat16_hybrid_keeps_split_for_one_row():
-    lin = Linear(32, 32, method="hybrid")
+    lin = Linear(32, 32, method=get_linear_method("hybrid"))
     lin.weight.data = torch.randn(32, 32).bfloat16()
     lin.process_weights_after_loading()
     assert lin.method_state.few_rows.name == "split"

@@ -19,8 +19,8 @@ import torch
 
 import minfer.parallel.parallel_state as ps
 import minfer.parallel.timeline as timeline
-from minfer.attention.selector import resolve_backend_name
-from minfer.platform import default_device
+from minfer.attention import PagedTorchBackend
+from minfer.platform import default_device, get_platform
 from minfer.parallel.parallel_state import ParallelState, init_parallel, place_rank, set_parallel_state
 
 
@@ -228,19 +228,27 @@ def test_default_device(fake_cuda, monkeypatch):
 
 # -- the attention backend "auto" picks ---------------------------------------------------------------------------
 
+def backend_cls(name: str, device: torch.device, dtype: torch.dtype, kv: torch.dtype | None = None):
+    """What the platform of `device` (kernels="auto") builds `attention_backend=name` with, for a model in
+    `dtype` over a pool of `kv` (default: `dtype`)."""
+    return get_platform("auto", device, dtype).get_attn_backend_cls(name, dtype, kv or dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_auto_is_triton_on_cuda(dtype):
+    from minfer.attention.triton import TritonBackend
+
     cuda = torch.device("cuda", 0)
-    assert resolve_backend_name("auto", cuda, dtype) == "triton"
+    assert backend_cls("auto", cuda, dtype) is TritonBackend
     for kv in (torch.int8, torch.float8_e4m3fn):  # a quantized pool: the kernels dequantize on load
-        assert resolve_backend_name("auto", cuda, dtype, kv) == "triton"
-    assert resolve_backend_name("torch", cuda, dtype) == "torch"  # a named backend stays itself
+        assert backend_cls("auto", cuda, dtype, kv) is TritonBackend
+    assert backend_cls("torch", cuda, dtype) is PagedTorchBackend  # a named backend stays itself
 
 
 def test_auto_on_cuda_keeps_torch_for_a_cast_pool():
     """A 16-bit pool under a float32 model is what the Triton backend refuses: "auto" takes the reference."""
-    assert resolve_backend_name("auto", torch.device("cuda"), torch.float32, torch.bfloat16) == "torch"
+    assert backend_cls("auto", torch.device("cuda"), torch.float32, torch.bfloat16) is PagedTorchBackend
 
 
 def test_auto_on_the_cpu_is_unchanged():
-    assert resolve_backend_name("auto", torch.device("cpu"), torch.float16) == "torch"
+    assert backend_cls("auto", torch.device("cpu"), torch.float16) is PagedTorchBackend

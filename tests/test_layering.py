@@ -2,7 +2,10 @@
 
 0. The model, attention, quantization and kernels folders (the textbook) import nothing from the CPU wing
    `minfer/cpu/`: what they use of it reaches them through the platform seam (`minfer.platform`) and the
-   objects it hands over (a `LinearMethod`, an attention backend, the quantized methods' `cpu_kernel`).
+   objects it hands over (a `LinearMethod`, the fused ops, an attention backend's class, the quantized
+   methods' `cpu_kernel`). The platform sits above what it chooses from: neither the CPU wing nor the model
+   and attention folders import it (the loader, which builds it with the model, excepted), so no import
+   circle runs through it.
 
 1. Importing a lower layer (sampling, block manager, scheduler, sequence, tokenizer, detokenizer) loads no
    `minfer.model` module: checked in a fresh interpreter, from `sys.modules`.
@@ -36,8 +39,12 @@ SEAM = {"minfer.platform", "minfer.extensions", "minfer.kv_cache_plan"}
 # The CPU wing, and the folders that must reach it only through the seam.
 WING = "minfer.cpu"
 TEXTBOOK = ("minfer.model", "minfer.attention", "minfer.quantization", "minfer.kernels")
+# What the platform chooses from, which must not ask it back: the wing, the model and attention folders. The
+# loader builds the platform with the model it loads (it knows the dtype only once it read the checkpoint).
+BELOW_SEAM = (WING, "minfer.model", "minfer.attention")
+SEAM_BUILDERS = {"minfer.model.loader"}
 # Entry points that drive the flow; they may import anything.
-TOP = {"minfer", "minfer.llm", "minfer.engine", "minfer.serve", "minfer.generate", "minfer.bench", "minfer.recap",
+TOP = {"minfer", "minfer.llm", "minfer.engine", "minfer.step_hooks", "minfer.serve", "minfer.generate", "minfer.bench", "minfer.recap",
        "minfer.eval", "minfer.quantize"}
 
 
@@ -175,6 +182,88 @@ def test_the_wing_check_can_fail():
         assert wing_imports({"minfer.model._wing_probe": imports_of(path)})
     finally:
         path.unlink()
+
+
+def _under(mod: str, prefixes) -> bool:
+    return any(mod == p or mod.startswith(p + ".") for p in prefixes)
+
+
+def seam_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of the platform from what it chooses from (the CPU wing, model/, attention/)."""
+    return [f"{mod} imports {dep}" for mod, deps in sorted(graph.items())
+            if _under(mod, BELOW_SEAM) and mod not in SEAM_BUILDERS for dep in sorted(deps) if dep in SEAM]
+
+
+def test_nothing_below_the_platform_imports_it():
+    assert seam_imports(import_graph()) == []
+
+
+def test_the_seam_check_can_fail():
+    assert seam_imports({"minfer.cpu.build": {"minfer.platform"}})
+    assert seam_imports({"minfer.attention.selector": {"minfer.platform"}})
+    assert seam_imports({"minfer.model.layers": {"minfer.model.linear_method", "minfer.platform"}})
+    assert not seam_imports({"minfer.model.loader": {"minfer.platform"}, "minfer.worker": {"minfer.platform"},
+                             "minfer.platform": {"minfer.cpu.linear", "minfer.attention"}})
+    src = "def f():\n    from minfer.platform import get_platform\n"  # a function-local import counts too
+    path = PKG / "cpu" / "_seam_probe.py"
+    try:
+        path.write_text(src)
+        assert seam_imports({"minfer.cpu._seam_probe": imports_of(path)})
+    finally:
+        path.unlink()
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import graph's circles: its strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def seam_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Circles through the platform, the CPU wing or the attention folder."""
+    return [c for c in circles(graph) if any(m in SEAM or _under(m, (WING, "minfer.attention")) for m in c)]
+
+
+def test_no_import_circle_runs_through_the_platform_the_wing_or_attention():
+    assert seam_circles(import_graph()) == []
+
+
+def test_the_circle_check_can_fail():
+    graph = {"minfer.platform": {"minfer.cpu.build"}, "minfer.cpu.build": {"minfer.cpu.qgemm"},
+             "minfer.cpu.qgemm": {"minfer.platform"}, "minfer.worker": {"minfer.platform"}}
+    assert seam_circles(graph) == [["minfer.cpu.build", "minfer.cpu.qgemm", "minfer.platform"]]
+    assert circles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+    assert circles({"a": {"b"}, "b": {"a"}}) == [["a", "b"]]
+    assert seam_circles({"minfer.model.gguf": {"minfer.model.loader"},
+                         "minfer.model.loader": {"minfer.model.gguf"}}) == []  # not through the seam
 
 
 def test_no_module_imports_an_earlier_step():

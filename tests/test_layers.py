@@ -81,7 +81,7 @@ def test_hybrid_linear_in_bfloat16_equals_f_linear(tokens):
     compute what F.linear does in bfloat16, to bfloat16's rounding (sums in float32 in both, rounded once)."""
     torch.manual_seed(0)
     w, x = torch.randn(48, 64).bfloat16(), torch.randn(tokens, 64).bfloat16()
-    lin = Linear(64, 48, method="hybrid")
+    lin = Linear(64, 48, method=get_linear_method("hybrid"))
     lin.weight.data = w.clone()
     lin.method.splits = 2
     lin.process_weights_after_loading()
@@ -94,7 +94,7 @@ def test_hybrid_linear_in_bfloat16_equals_f_linear(tokens):
 def test_bad_layouts_are_named(monkeypatch):
     with pytest.raises(ValueError, match="unknown Linear layout"):
         Linear(4, 4, method="fast")
-    lin = Linear(4, 4, method="onednn")
+    lin = Linear(4, 4, method=get_linear_method("onednn"))
     lin.weight.data = lin.weight.data.double()
     with pytest.raises(ValueError, match="float32"):
         lin.process_weights_after_loading()
@@ -128,7 +128,7 @@ def test_weight_loader_keeps_integer_codes_and_refuses_floats_for_them():
 def test_merged_parts_land_in_their_rows_and_tied_embedding_reads_the_head(layout):
     torch.manual_seed(0)
     parts = [torch.randn(6, 8), torch.randn(4, 8), torch.randn(2, 8)]
-    lin = Linear(8, output_sizes=[6, 4, 2], method=layout)
+    lin = Linear(8, output_sizes=[6, 4, 2], method=get_linear_method(layout))
     assert lin.weight.num_shards == 3
     for i, p in enumerate(parts):
         lin.weight.weight_loader(lin.weight, p, i)  # what the loader calls: the parameter's own loader

@@ -163,17 +163,20 @@ def test_unavailable_kernel_falls_back_or_fails_clearly(monkeypatch, caplog):
     """A kernel that cannot be built here (no compiler): "auto" uses the torch reference with a warning; "cpu"
     is a clear ValueError."""
     from minfer.attention import get_attn_backend
+    from minfer.platform import get_platform
+
+    platform = get_platform("auto", "cpu", torch.float32)
 
     def unavailable():
         raise cpu.CpuKernelUnavailable("building paged_decode_cpu.cpp failed: no compiler (simulated)")
 
     monkeypatch.setattr(cpu, "_library", unavailable)
     pool = [torch.zeros(2, 2, 4, 1, 8)]
-    with caplog.at_level("WARNING", logger="minfer.attention.selector"):
-        assert type(get_attn_backend("auto", pool)) is PagedTorchBackend
+    with caplog.at_level("WARNING", logger="minfer.platform"):
+        assert type(get_attn_backend("auto", pool, platform=platform)) is PagedTorchBackend
     assert "no compiler (simulated)" in caplog.text
     with pytest.raises(ValueError, match="attention_backend='cpu' cannot run here"):
-        get_attn_backend("cpu", pool)
+        get_attn_backend("cpu", pool, platform=platform)
 
 
 @needs_kernel

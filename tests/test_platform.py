@@ -1,6 +1,8 @@
 """The platform seam (minfer/platform.py): `kernels="reference"` is the path the chapters teach (every decode
 step through `LlamaDecoderLayer.forward`, no C++ library loaded), `kernels="auto"` the CPU wing (minfer/cpu/),
 `enforce_eager=True` the wing's kernels without the step runner; all three give the same greedy tokens.
+One platform per `LLM`, built once, handing over objects (the attention backend's class, the fused ops, the
+sampler, the step runner), never names that a lower layer would turn back into objects.
 On stories260K (a 5-layer Llama; skips without ../shared/models/stories260K)."""
 
 import json
@@ -145,8 +147,14 @@ def test_get_platform_picks_by_device_and_kernels():
     with pytest.raises(ValueError, match="kernels"):
         get_platform("fastest", "cpu", torch.float32)
     ref = get_platform("reference", "cpu", torch.float32)
-    assert ref.linear_method().name == "nn" and ref.fused_ops() is False
-    assert ref.attention_backend("auto") == "torch" and ref.attention_backend("cpu") == "cpu"
+    assert ref.linear_method().name == "nn" and ref.fused_ops() is None
+    from minfer.attention import PagedReferenceBackend, PagedTorchBackend
+
+    # the reference path attends with the plain backend the chapters teach; a quantized pool with the batched one
+    assert ref.get_attn_backend_cls("auto", torch.float32, torch.float32) is PagedReferenceBackend
+    assert ref.get_attn_backend_cls("auto", torch.float32, torch.int8) is PagedTorchBackend
+    assert ref.get_attn_backend_cls("cpu", torch.float32, torch.float32) not in (PagedReferenceBackend,
+                                                                                  PagedTorchBackend)  # named: kept
     assert ref.quantization_options() == {"cpu_kernel": None}
     from minfer.sampling import Sampler
 
@@ -160,18 +168,19 @@ def test_cuda_platform_auto_takes_triton_ops_and_sampler_and_graphs_follow_enfor
     ops and sampler too; the CUDA-graph runner is asked for unless enforce_eager or kernels="reference"
     (checked without a GPU: the platform is built for a "cuda" device and the capture is stubbed)."""
     import minfer.cuda_graphs as cg
+    import minfer.kernels
     from minfer.kernels.sampler import TritonSampler
 
     built = []
     monkeypatch.setattr(cg.CudaGraphRunner, "build", classmethod(lambda cls, *a, **kw: built.append(kw) or "runner"))
     auto = CudaPlatform("cuda", torch.bfloat16)
-    assert auto.fused_ops("auto") == "triton" and auto.fused_ops("torch") is False
+    assert auto.fused_ops("auto") is minfer.kernels and auto.fused_ops("torch") is None
     assert isinstance(auto.sampler(None, "auto"), TritonSampler)
     assert auto.graph_runner(object(), object(), max_num_seqs=8, max_blocks_per_seq=4) == "runner"
     assert built and built[0]["max_num_seqs"] == 8 and built[0]["max_blocks_per_seq"] == 4
     assert CudaPlatform("cuda", torch.bfloat16, enforce_eager=True).graph_runner(None, None, 8, 4) is None
     ref = CudaPlatform("cuda", torch.bfloat16, kernels="reference")
-    assert ref.graph_runner(None, None, 8, 4) is None and ref.fused_ops("auto") is False
+    assert ref.graph_runner(None, None, 8, 4) is None and ref.fused_ops("auto") is None
     assert not isinstance(ref.sampler(None, "auto"), TritonSampler)
     assert CpuPlatform("cpu", torch.float32).graph_runner(None, None, 8, 4) is None
 
@@ -186,9 +195,70 @@ def test_bfloat16_takes_onednn_only_where_the_cpu_runs_it():
     assert method.name == ("hybrid" if onednn_supports(torch.bfloat16) else "split")
     assert get_platform("auto", "cpu", torch.float32).linear_method().name == (
         "hybrid" if onednn_supports(torch.float32) else "split")
-    lin = Linear(32, 32, method=method.name)
+    lin = Linear(32, 32, method=method)
     lin.weight.data = torch.randn(32, 32).bfloat16()
     lin.process_weights_after_loading()
     x = torch.randn(3, 32).bfloat16()
     torch.testing.assert_close(lin(x).float(), x.float() @ lin.weight_rows(torch.arange(32)).float().T,
                                rtol=2e-2, atol=2e-2)
+
+
+@needs_stories
+@pytest.mark.parametrize("kernels", ["auto", "reference"])
+def test_one_platform_per_llm(stories, monkeypatch, kernels):
+    """`LLM(...)`, `generate` and `generate_simple` build one platform between them (the loader's, which the
+    worker and the simple path take over), whichever way it is asked for."""
+    from minfer import LLM, SamplingParams
+
+    built = []
+    init = Platform.__init__
+
+    def counting(self, *args, **kwargs):
+        built.append(type(self))
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(Platform, "__init__", counting)
+    llm = LLM(model=stories, **{**ARGS, "kernels": kernels})
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    tokens = llm.generate([[1, 72, 43]], params)[0].outputs[0].token_ids
+    assert llm.generate_simple([1, 72, 43], params)[0].outputs[0].token_ids == tokens
+    assert built == [CpuPlatform], built
+    worker = llm.llm_engine.worker
+    assert llm._simple.platform is worker.platform and worker.platform.kernels == kernels
+
+
+def test_the_platform_hands_over_objects_not_names():
+    """What the model and the selector receive are the kernels themselves: a fused-ops object (or None), a
+    backend class or factory; a name or a bool where an object belongs is refused, not re-interpreted."""
+    from minfer.attention import PagedReferenceBackend, PagedTorchBackend, get_attn_backend
+    from minfer.model.layers import FUSED_OP_NAMES, BuildOptions, RMSNorm
+
+    auto = get_platform("auto", "cpu", torch.float32)
+    ops = auto.fused_ops()
+    assert ops is None or all(callable(getattr(ops, n)) for n in FUSED_OP_NAMES)
+    if _cpu_kernels_build():
+        from minfer.cpu import fused_ops
+        from minfer.cpu.attention import CpuPagedBackend
+
+        assert ops is fused_ops
+        pool = [torch.zeros(2, 2, 4, 1, 8)]
+        assert type(get_attn_backend("auto", pool, platform=auto)) is CpuPagedBackend
+        assert type(get_attn_backend("cpu", pool, platform=auto)) is CpuPagedBackend
+        assert type(get_attn_backend("torch", pool, platform=auto)) is PagedReferenceBackend
+    assert get_platform("auto", "cpu", torch.bfloat16).fused_ops() is None  # the C++ loops are float32 only
+    for name in ("cpu", "triton", True, False):
+        with pytest.raises(TypeError, match="fused ops"):
+            BuildOptions(fused_ops=name)
+        with pytest.raises(TypeError, match="fused ops"):
+            RMSNorm(8, fused=name)
+    with pytest.raises(ValueError, match="unknown Linear layout 'hybrid'"):
+        from minfer.model.layers import Linear
+
+        Linear(4, 4, method="hybrid")  # a layout of the CPU wing is an object the platform gives
+    # Without a platform the selector builds only its own folder's backends.
+    pool = [torch.zeros(2, 2, 4, 1, 8)]
+    assert type(get_attn_backend("auto", pool)) is PagedTorchBackend
+    with pytest.raises(ValueError, match="platform"):
+        get_attn_backend("cpu", pool)
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        get_attn_backend("flash", pool, platform=auto)

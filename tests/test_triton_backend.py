@@ -3,7 +3,7 @@
 (a) `TritonBackend` vs `PagedTorchBackend` on hand-built ForwardContexts: prefills with and without a
     cached prefix (or a later chunk), decodes, mixed batches, GQA, sliding windows, ALiBi, shuffled
     block tables. Tolerance fp32 2e-4 (as the kernel tests), fp16 4e-3.
-(b) A tiny random Llama built with `BuildOptions(fused_ops=True)`: logits match the torch ops.
+(b) A tiny random Llama built with `BuildOptions(fused_ops=minfer.kernels)`: logits match the torch ops.
 (c) `TritonSampler`: greedy exact, seeded rows keep the torch stream, the fused path samples validly.
 (d) The real SmolLM2-135M through the engine with attention_backend="triton": greedy tokens identical to
     the torch backend. Under Triton's CPU interpreter this is slow (every kernel launch is interpreted in
@@ -156,6 +156,7 @@ def test_kernels_run_when_torch_imported_triton_first():
 
 def test_fused_ops_tiny_model():
     """The fused kernels are chosen when the model is built; the same weights give the torch ops' logits."""
+    import minfer.kernels
     from minfer.attention import ContiguousBackend
     from minfer.config import ModelConfig
     from minfer.model.layers import MLP, BuildOptions, RMSNorm, silu_and_mul
@@ -179,7 +180,7 @@ def test_fused_ops_tiny_model():
             return m.compute_logits(h)
 
     ref = logits(model)
-    fused = LlamaForCausalLM(cfg, build=BuildOptions(fused_ops=True)).eval()
+    fused = LlamaForCausalLM(cfg, build=BuildOptions(fused_ops=minfer.kernels)).eval()
     fused.load_state_dict(model.state_dict())
     norms = [m for m in fused.modules() if isinstance(m, RMSNorm)]
     assert len(norms) == 2 * 2 + 1 + 2 * 2 and all(m.fused for m in norms)

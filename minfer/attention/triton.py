@@ -13,7 +13,8 @@ Every prefill then reads its keys from the pool, a fresh prompt's too, so that i
 pool holds (the reference's rule: a prompt computed whole, in chunks or on a cached prefix sees the same keys).
 
 The fused element-wise kernels (RMSNorm, SiLU-and-mul, RoPE) are chosen when the model is built
-(`minfer.model.layers.BuildOptions(fused_ops=True)`), and the fused sampler is
+(`minfer.model.layers.BuildOptions(fused_ops=minfer.kernels)`, what the platform hands the loader with
+this backend), and the fused sampler is
 `minfer.kernels.sampler.TritonSampler`.
 """
 

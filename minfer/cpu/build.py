@@ -6,7 +6,8 @@ builder (`torch.utils.cpp_extension.load`: ninja, a build cache, a lock between 
 second. A build is cached per checkout, source version (the file and the `*.h` headers beside it) and kind of
 CPU (`-march=native` code is built where it runs), under ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR).
 
-Nothing here is imported on the `kernels="reference"` path (`minfer.platform`): that path loads no C++.
+Nothing here is imported on the `kernels="reference"` path (`minfer.platform`): that path loads no C++. This
+module imports nothing else of minfer: every library of the wing raises a subclass of its `KernelUnavailable`.
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ import functools
 import hashlib
 from pathlib import Path
 
-from minfer.platform import KernelUnavailable  # the seam's error type; each library raises its own subclass
-
 CSRC = Path(__file__).with_name("csrc")
 
 # ctypes spellings the signature tables use.
 I32, I64, F32, PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+class KernelUnavailable(RuntimeError):
+    """A C++ kernel could not be built or loaded here (the message says why: no compiler, no ninja, a compiler
+    without OpenMP...). Each library of the CPU wing raises its own subclass."""
 
 
 def cpu_identity() -> str:

@@ -16,8 +16,8 @@ dispatch around ~31 ms of GEMMs (the few-row kernel of `minfer.cpu.gemm_f32`), w
 
 What it covers, decided once when the plan is built (`DecodeLayersCpu.build`, which returns None, and so the
 per-op path, for anything else):
-- a Llama-family model on the CPU in float32 with the fused CPU ops on (`BuildOptions.fused_ops == "cpu"`, the
-  platform's choice under kernels="auto");
+- a Llama-family model on the CPU in float32 built with the fused CPU ops (`BuildOptions.fused_ops` is
+  `minfer.cpu.fused_ops`, the platform's choice under kernels="auto");
 - every projection of every layer with no bias, either all on the integer GEMM (gguf Q4_0/Q4_1/Q8_0 blocks, gguf
   Q4_K through int4, `int4`, `int8`: steps of one token) or all float32 "panels" (the "hybrid" layout's few-row
   copy, or "panels" itself: steps of up to `PanelLinearMethod.max_rows` tokens, the rows the per-op path gives to
@@ -169,10 +169,11 @@ class DecodeLayersCpu:
         """The plan for `model` (a `LlamaModel`, or a model with its declared `decoder_layers()` and
         `rotary_emb`, whose weights are loaded and packed), or None where the one call does not cover it (the
         module docstring lists what it covers) or its library does not build here."""
+        from minfer.cpu import fused_ops
         from minfer.model.positions import RotaryEmbedding
         from minfer.parallel.parallel_state import get_parallel_state
 
-        if getattr(model, "fused_ops", None) != "cpu" or not hasattr(model, "decoder_layers"):
+        if getattr(model, "fused_ops", None) is not fused_ops or not hasattr(model, "decoder_layers"):
             return None
         st = get_parallel_state()
         if st.tp_size != 1 or st.pp_size != 1:

@@ -2,7 +2,7 @@
 and RoPE, each one C++ loop (`csrc/fused_cpu.cpp`) instead of 3-6 torch ops (chapter 9, "where the time goes").
 
 The functions have the signatures and contracts of the Triton kernels in `minfer.kernels.fused`, so the model's
-layers take either set (`BuildOptions.fused_ops = "cpu"` or `"triton"`, `minfer.model.layers.fused_kernels`):
+layers take either module as their `BuildOptions.fused_ops` (`minfer.model.layers.FusedOps`):
 
     rms_norm(x, weight, eps)                     -> out                    (new memory)
     fused_add_rms_norm(x, residual, weight, eps) -> (out, x + residual)    (new memory; inputs untouched)
@@ -13,10 +13,11 @@ float32 CPU tensors only (what the engine's CPU path runs); the loops are split 
 (`torch.get_num_threads()` threads). They are built like every kernel of the wing (`minfer.cpu.build`: once per
 checkout, source version and kind of CPU); `fused_cpu_available()` says whether that worked, and the platform
 falls back to plain torch, silently, where it did not. They are on for every float32 CPU model loaded with
-kernels="auto" (`minfer.platform.CpuPlatform.fused_ops`, through `load_model`'s "auto", the worker's too, so the
-engine's model and any other one compute alike); kernels="reference" leaves them out. Results match the torch ops to a few
-float32 ulps, and are batch-invariant: a row's bits do not depend on how many rows come with it, on its address
-or on the thread split (`tests/test_fused_cpu.py`; how, at the top of `csrc/fused_cpu.cpp`).
+kernels="auto" (`minfer.platform.CpuPlatform.fused_ops` hands this module to `load_model`, whose "auto" is the
+worker's too, so the engine's model and any other one compute alike); kernels="reference" leaves them out.
+Results match the torch ops to a few float32 ulps, and are batch-invariant: a row's bits do not depend on how
+many rows come with it, on its address or on the thread split (`tests/test_fused_cpu.py`; how, at the top of
+`csrc/fused_cpu.cpp`).
 """
 
 from __future__ import annotations

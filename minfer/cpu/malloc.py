@@ -40,9 +40,7 @@ def keep_freed_memory() -> bool:
     global _done
     if _done:
         return True
-    from minfer.platform import malloc_tuning_enabled  # the one place that reads the override
-
-    if not malloc_tuning_enabled():
+    if os.environ.get("MINFER_MALLOC_TUNING", "1").strip().lower() in ("0", "false", "no", "off"):
         return False
     if not sys.platform.startswith("linux"):
         return False

@@ -20,18 +20,18 @@ and the three instruction-set paths give the same bits (they do the same float o
 approximation against a dequantize-then-matmul is the activations' rounding to 8 bits per block of 32
 (`reference_matmul` is the same arithmetic in float64; tests/test_qgemm.py bounds both).
 
-`MINFER_GGUF_ISA` = `scalar`, `avx2` or `vnni` (read by `minfer.platform`, for tests and benchmarks) forces an
+`MINFER_GGUF_ISA` = `scalar`, `avx2` or `vnni` (read here at each call, for tests and benchmarks) forces an
 instruction set (a CPU lacking it gets the best it has).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from minfer.cpu.build import I32, I64, PTR, CppLibrary, KernelUnavailable
-from minfer.platform import gguf_isa_override
 
 # No -march=native: the AVX2 and VNNI functions carry their own target attributes and are chosen at run time.
 # No -ffast-math and no FMA contraction: the float operations per output element are the ones written, the
@@ -211,8 +211,8 @@ def reference_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
 
 
 def _isa_from_env() -> int:
-    """The forced instruction set's number (0: auto): `minfer.platform.gguf_isa_override`."""
-    name = gguf_isa_override()
+    """The forced instruction set's number (0: auto): `MINFER_GGUF_ISA` ("auto" when unset)."""
+    name = os.environ.get("MINFER_GGUF_ISA", "auto")
     if name not in ISAS:
         raise ValueError(f"MINFER_GGUF_ISA must be one of {sorted(ISAS)}, got {name!r}")
     return ISAS[name]

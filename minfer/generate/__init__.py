@@ -19,7 +19,7 @@ import torch
 
 from minfer.attention import ContiguousBackend, ForwardContext
 from minfer.detokenizer import OutputProcessor
-from minfer.platform import get_platform
+from minfer.platform import Platform, get_platform
 from minfer.sampling import Sampler
 from minfer.sequence import Sequence
 
@@ -50,19 +50,21 @@ class SimpleGenerator:
     how the cache stores K/V (`minfer.attention.kv_quant`; "auto" = the model's dtype). `kernels` and
     `enforce_eager` are the engine's (`EngineArgs`): "reference" keeps the torch attention reference and
     runs every step through the model; "auto" takes the platform's cache and its step runner
-    (`minfer.platform`), as the engine's worker does.
+    (`minfer.platform`), as the engine's worker does. `platform`: the engine worker's (`Worker.platform`), so
+    both run the model alike; None: one built here from `kernels` and `enforce_eager`.
     """
 
     def __init__(self, model: torch.nn.Module, sampler: Sampler | None = None,
                  output_processor: OutputProcessor | None = None, kv_cache_dtype: str = "auto",
-                 attention_backend: str = "auto", kernels: str = "auto", enforce_eager: bool = False):
+                 attention_backend: str = "auto", kernels: str = "auto", enforce_eager: bool = False,
+                 platform: Platform | None = None):
         self.model = model
         self.kv_cache_dtype = kv_cache_dtype
         self.cfg = model.config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.platform = get_platform(kernels, self.device, self.dtype, enforce_eager)
-        self.attention_backend = self.platform.attention_backend(attention_backend)
+        self.platform = platform or get_platform(kernels, self.device, self.dtype, enforce_eager)
+        self.attention_backend = attention_backend
         self.step_runner = self.platform.step_runner(model)
         self.sampler = sampler or Sampler()
         self.output_processor = output_processor

@@ -6,16 +6,17 @@ projections (q|k|v, gate|up) load several checkpoint tensors into one matrix, so
 matmul instead of three; each parameter's `weight_loader` knows which rows a checkpoint part goes to (the
 pattern of nano-vllm and vLLM).
 
-`BuildOptions` is what a model is built with: the linear method and whether the element-wise ops run as
-fused kernels: the Triton ones (the Triton attention backend wants them) or the C++ CPU loops (a float32
-model on the CPU). The platform (`minfer.platform`) decides both before the model is built, so no layer is
-patched afterwards.
+`BuildOptions` is what a model is built with: the linear method, and the fused element-wise kernels or None
+(plain torch): the Triton ones (the Triton attention backend wants them) or the C++ CPU loops (a float32 model
+on the CPU). The platform (`minfer.platform`) decides both, and the loader hands them over as objects before
+the model is built, so no layer asks which device it runs on and none is patched afterwards.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -119,46 +120,76 @@ class UnquantizedLinearMethod(LinearMethodBase):
         return layer.weight[ids]
 
 
+class FusedOps(Protocol):
+    """Fused element-wise kernels a model may be built with (`BuildOptions.fused_ops`), each with the contract of
+    the torch code it replaces. The platform hands one over: the Triton kernels of `minfer.kernels`, or the CPU
+    wing's C++ loops `minfer.cpu.fused_ops` (both modules fit)."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+        """`RMSNorm` of x `[T, H]`: new memory."""
+        ...
+
+    def fused_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): new memory, inputs untouched."""
+        ...
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[..., 2I]` = gate|up -> silu(gate) * up `[..., I]`."""
+        ...
+
+    def apply_rotary_(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE on q `[T, H, D]` and k `[T, KVH, D]` in place (rotate-half layout); returns them."""
+        ...
+
+
+FUSED_OP_NAMES = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "apply_rotary_")
+
+
+def check_fused_ops(ops) -> FusedOps | None:
+    """`ops` if it is None or has every op of `FusedOps`. Raises TypeError otherwise (a name such as "cpu" or a
+    bool: the platform's `fused_ops()` turns those into the kernels)."""
+    if ops is None or all(callable(getattr(ops, n, None)) for n in FUSED_OP_NAMES):
+        return ops
+    raise TypeError(f"fused ops must be None or an object with {', '.join(FUSED_OP_NAMES)} (what "
+                    f"minfer.platform's Platform.fused_ops() returns), got {ops!r}")
+
+
 @dataclass(frozen=True)
 class BuildOptions:
     """How a model's layers are built.
 
     Attributes:
         linear_method: the `LinearMethod` of every `Linear` (one object shared by all layers).
-        fused_ops: RMSNorm (with the residual add), SiLU-and-mul and RoPE run as fused kernels instead of
-            plain torch: "triton" (or True) the Triton kernels of `minfer.kernels`, "cpu" the C++ loops of
-            the CPU wing; False plain torch. The platform (`minfer.platform`) picks it.
+        fused_ops: the kernels RMSNorm (with the residual add), SiLU-and-mul and RoPE run as (`FusedOps`), or
+            None: plain torch. The platform (`minfer.platform`) picks it.
+
+    Raises:
+        TypeError: `fused_ops` is neither None nor a `FusedOps`.
     """
 
     linear_method: LinearMethodBase = field(default_factory=UnquantizedLinearMethod)
-    fused_ops: bool | str = False
+    fused_ops: FusedOps | None = None
 
-
-def fused_kernels(kind: bool | str):
-    """The module holding `rms_norm`, `fused_add_rms_norm`, `silu_and_mul` and `apply_rotary_` for a
-    `BuildOptions.fused_ops` value ("cpu", "triton" or True), as the platform maps it
-    (`minfer.platform.fused_kernels`). Raises ValueError for another value."""
-    from minfer.platform import fused_kernels as platform_kernels
-
-    return platform_kernels(kind)
+    def __post_init__(self):
+        check_fused_ops(self.fused_ops)
 
 
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32 (Zhang & Sennrich, 2019).
 
     `forward(x, residual)` also fuses the residual add: returns (norm(x + residual), x + residual), the
-    shape of vLLM's fused kernel, so the fused versions (`fused="triton"` or `"cpu"`, `fused_kernels`) replace
-    it one for one.
+    shape of vLLM's fused kernel, so the fused versions (`fused`, a `FusedOps`) replace it one for one.
     """
 
-    def __init__(self, dim: int, eps: float = 1e-6, fused: bool | str = False):
+    def __init__(self, dim: int, eps: float = 1e-6, fused: FusedOps | None = None):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
-        self.fused = bool(fused)
-        if fused:
-            k = fused_kernels(fused)
-            self._kernels = (k.rms_norm, k.fused_add_rms_norm)
+        self.fused = check_fused_ops(fused) is not None
+        if fused is not None:
+            self._kernels = (fused.rms_norm, fused.fused_add_rms_norm)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -184,7 +215,8 @@ class Linear(nn.Module):
         bias: add a bias `[out_features]`.
         output_sizes: for merged projections (q|k|v, gate|up), each part's output width; the checkpoint's
             parts load one by one with `weight_loader(param, tensor, shard)`.
-        method: a `LinearMethodBase`, or the name of a CPU layout ("nn", "split", "onednn", "hybrid").
+        method: a `LinearMethodBase` (default, or "nn": `UnquantizedLinearMethod`). A CPU layout is an object
+            of the CPU wing (`minfer.platform.get_linear_method(name)`).
 
     After loading, `process_weights_after_loading()` lets the method repack (or quantize) the weights, once.
     """
@@ -195,9 +227,10 @@ class Linear(nn.Module):
         self.output_sizes = list(output_sizes) if output_sizes else [out_features]
         self.in_features, self.out_features = in_features, sum(self.output_sizes)
         if isinstance(method, str):
-            from minfer.platform import get_linear_method  # a layout by name: the platform knows them all
-
-            method = get_linear_method(method)
+            if method != "nn":
+                raise ValueError(f"unknown Linear layout {method!r}: the model knows 'nn'; a CPU layout is a method "
+                                 "object (minfer.platform.get_linear_method)")
+            method = UnquantizedLinearMethod()
         self.method = method or UnquantizedLinearMethod()
         self.keep_rows = False  # set by TiedEmbedding: weight_rows must work whatever the layout
         self.method_state = None  # what the method keeps per layer beside the parameters (its own object)
@@ -296,7 +329,7 @@ class MLP(nn.Module):
         build = build or BuildOptions()
         self.gate_up_proj = MergedLinear(hidden, [intermediate_size, intermediate_size], bias=bias, method=build.linear_method)
         self.down_proj = Linear(intermediate_size, hidden, bias=bias, method=build.linear_method)
-        self.act = fused_kernels(build.fused_ops).silu_and_mul if build.fused_ops else silu_and_mul
+        self.act = build.fused_ops.silu_and_mul if build.fused_ops is not None else silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))

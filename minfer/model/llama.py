@@ -25,7 +25,7 @@ from torch import nn
 
 from minfer.attention import Attention, ForwardContext
 from minfer.config import ModelConfig
-from minfer.model.layers import BuildOptions, Linear, MergedLinear, RMSNorm, TiedEmbedding, fused_kernels, silu_and_mul
+from minfer.model.layers import BuildOptions, Linear, MergedLinear, RMSNorm, TiedEmbedding, silu_and_mul
 from minfer.model.llama_config import llama_config  # noqa: F401 (the registry reads the adapter here)
 from minfer.model.positions import RotaryEmbedding
 
@@ -69,7 +69,7 @@ class LlamaMLP(nn.Module):
         method = build.linear_method
         self.gate_up_proj = MergedLinear(hidden, [intermediate_size, intermediate_size], bias=bias, method=method)
         self.down_proj = Linear(intermediate_size, hidden, bias=bias, method=method)
-        self.act = fused_kernels(build.fused_ops).silu_and_mul if build.fused_ops else silu_and_mul
+        self.act = build.fused_ops.silu_and_mul if build.fused_ops is not None else silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))

@@ -22,10 +22,10 @@ from minfer.memory import physical_memory_bytes
 from minfer.model.gguf import load_gguf, load_gguf_blocks
 from minfer.model.layers import BuildOptions, process_weights_after_loading
 from minfer.model.layers import LinearMethodBase, default_weight_loader
-from minfer.platform import default_device, get_platform
 from minfer.model.registry import config_from_hf, model_class
 from minfer.parallel.parallel_state import get_parallel_state
 from minfer.model.sources import ModelSource, resolve_model
+from minfer.platform import Platform, default_device, get_platform
 from minfer.quantization import get_quantization_method
 from minfer.quantization.checkpoint import (SAVED_METHODS, PrequantizedLinearMethod, read_quantization_config,
                                             unpack_checkpoint)
@@ -35,13 +35,15 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class LoadedModel:
-    """A loaded model: the module (eval mode), its config, where it came from, its EOS ids and dtype."""
+    """A loaded model: the module (eval mode), its config, where it came from, its EOS ids and dtype, and the
+    platform it was built for (`minfer.platform`: the one a worker runs it with, built once, here)."""
 
     model: torch.nn.Module
     config: ModelConfig
     source: ModelSource
     eos_token_ids: tuple
     dtype: torch.dtype
+    platform: Platform
 
 
 def read_json(path: Path) -> dict:
@@ -296,21 +298,27 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
                max_model_len: int | None = None, source: ModelSource | None = None,
                fused_ops: bool | str = "auto", linear_method: LinearMethodBase | None = None,
                quantization: str | None = None, quantization_config: dict | str | None = None,
-               max_parallel_loading_workers: int | None = None, kernels: str = "auto") -> LoadedModel:
+               max_parallel_loading_workers: int | None = None, kernels: str = "auto",
+               enforce_eager: bool = False) -> LoadedModel:
     """Load a model by name (see `minfer.model.sources.resolve_model`) onto `device` in `dtype`.
 
+    The platform (`minfer.platform.get_platform(kernels, device, dtype, enforce_eager)`) is built here, once the
+    dtype is known from the checkpoint, and returned with the model (`LoadedModel.platform`): the worker runs
+    the model with that same platform.
+
     Args:
-        fused_ops: build RMSNorm, SiLU-and-mul and RoPE as fused kernels: "auto" (the default, the worker's
-            too) what the platform picks (`minfer.platform`: on a CPU with kernels="auto" the C++ loops of the
-            CPU wing for a float32 model whose kernels build, else plain torch); "triton" (or True) the Triton
-            ones (the Triton backend); "cpu" the C++ loops where they apply (float32 on a CPU, kernels="auto"),
-            else plain torch; False plain torch. One default for the engine and for any model loaded here, so
-            both compute with the same ops (the loops are batch-invariant: a row's result does not depend on
-            the batch; the C++ source says how).
+        fused_ops: build RMSNorm, SiLU-and-mul and RoPE as fused kernels, as the platform hands them over
+            (`Platform.fused_ops`): "auto" (the default, the worker's too) what it picks (on a CPU with
+            kernels="auto" the C++ loops of the CPU wing for a float32 model whose kernels build, else plain
+            torch); "triton" (or True) the Triton ones (the Triton backend); "cpu" the C++ loops where they apply
+            (float32 on a CPU, kernels="auto"), else plain torch; False plain torch. One default for the engine
+            and for any model loaded here, so both compute with the same ops (the loops are batch-invariant: a
+            row's result does not depend on the batch; the C++ source says how).
         linear_method: how every Linear stores and multiplies its weight; default the platform's
             (`Platform.linear_method`: the fastest CPU layout, "nn" on a GPU or with kernels="reference").
-        kernels: "auto" or "reference" (`EngineArgs.kernels`, `minfer.platform`): the platform's choices of
-            the Linear layout, the quantized methods' CPU kernels and the fused ops.
+        kernels, enforce_eager: `EngineArgs.kernels` ("auto" or "reference") and `EngineArgs.enforce_eager`, the
+            platform's settings: its choices of the Linear layout, the quantized methods' CPU kernels and the
+            fused ops here, of the attention backend, sampler and step runner in the worker.
         quantization, quantization_config: a weight-quantization method of `minfer.quantization` and its
             settings; the layers it keeps in float (the tied LM head) use `linear_method`. "gguf" reads a
             GGUF file's Q4_0/Q4_1 blocks as stored instead of the dequantized float32 cache. A directory whose
@@ -325,7 +333,8 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
     Raises:
         ModelNotFoundError, ValueError, FileNotFoundError: as `resolve_model`, `hf_config`, `load_weights`;
         ValueError when `max_model_len` exceeds what the model was trained for, for a bad quantization
-        method or config (a group size that does not divide a layer), or "gguf" with a model that is no GGUF.
+        method or config (a group size that does not divide a layer), "gguf" with a model that is no GGUF, or
+        a `fused_ops` or `kernels` value not listed above.
     """
     device = torch.device(device or default_device())
     source = source or resolve_model(name)
@@ -363,7 +372,7 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
             f"max_position_embeddings, times the rope_scaling factor if any); positions beyond it were never "
             "trained. Lower max_model_len, or load a checkpoint whose config extends the context.")
     dtype_ = resolve_dtype(dtype, ckpt_dtype, device)
-    platform = get_platform(kernels, device, dtype_)
+    platform = get_platform(kernels, device, dtype_, enforce_eager)
     linear_method = linear_method or platform.linear_method()
     if quantization in SAVED_METHODS:
         if quantization_config:
@@ -374,11 +383,7 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
     elif quantization not in (None, "none"):
         linear_method = get_quantization_method(quantization, quantization_config, fallback=linear_method,
                                                 **platform.quantization_options())
-    if fused_ops == "auto":
-        fused_ops = platform.fused_ops()
-    elif fused_ops == "cpu":
-        fused_ops = platform.fused_ops() == "cpu" and "cpu"
-    build = BuildOptions(linear_method=linear_method, fused_ops=fused_ops)
+    build = BuildOptions(linear_method=linear_method, fused_ops=_fused_ops(platform, fused_ops))
     # Position tables (RoPE's cos/sin) cover the positions the engine will use, max_model_len, not every
     # position the config names: 10^8 of them were a 3.2 GB table under max_model_len=256.
     max_positions = max_model_len or cfg.max_position_embeddings
@@ -407,4 +412,18 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
     layout = process_weights_after_loading(model)
     logger.info("Linear weight layout: %s", layout)
     model.eval()
-    return LoadedModel(model=model, config=cfg, source=source, eos_token_ids=tuple(eos), dtype=dtype_)
+    return LoadedModel(model=model, config=cfg, source=source, eos_token_ids=tuple(eos), dtype=dtype_,
+                       platform=platform)
+
+
+def _fused_ops(platform: Platform, setting: bool | str):
+    """The fused ops object (`minfer.model.layers.FusedOps`, or None: plain torch) that `platform` hands over for
+    `load_model`'s `fused_ops` setting ("cpu": the C++ loops where the platform takes them, else None). Raises
+    ValueError for another setting."""
+    if setting is False or setting is None:
+        return None
+    if setting is True:
+        setting = "triton"
+    if setting not in ("auto", "triton", "cpu"):
+        raise ValueError(f"fused_ops must be 'auto', 'triton', 'cpu', True or False, got {setting!r}")
+    return platform.fused_ops(setting)

@@ -105,21 +105,19 @@ class RotaryEmbedding(nn.Module):
 
     cos/sin are tabulated once up to `max_positions` (float32), so a decode step only gathers rows.
     Dynamic NTK recomputes frequencies from the largest position in the forward, as transformers does.
-    `fused="triton"` (or True) rotates q and k in place with the Triton kernel `minfer.kernels.apply_rotary_`,
-    `fused="cpu"` with the C++ loop of `minfer.cpu.fused_ops` (the same contract).
+    `fused` (a `minfer.model.layers.FusedOps`: the Triton kernels or the CPU wing's C++ loops) rotates q and k
+    in place with its `apply_rotary_` (the same contract).
     """
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_position_embeddings: int,
-                 max_positions: int, fused: bool | str = False):
+                 max_positions: int, fused=None):
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
         self.max_position_embeddings = max_position_embeddings
         self.dynamic = (scaling or {}).get("rope_type") == "dynamic"
-        self.fused = bool(fused)
-        if fused:
-            from minfer.model.layers import fused_kernels
-
-            self._apply_rotary_ = fused_kernels(fused).apply_rotary_
+        self.fused = fused is not None
+        if fused is not None:
+            self._apply_rotary_ = fused.apply_rotary_
         inv_freq, self.attention_scaling = compute_inv_freq(head_dim, theta, scaling, max_position_embeddings)
         # float32 whatever the model's dtype: the loader builds the model under its dtype as the default.
         self.register_buffer("cos_sin", self._table(inv_freq, max_positions), persistent=False)
