@@ -4,7 +4,7 @@
     python benchmarks/kv_cache_quant.py --quick        # fewer prompts and tokens
 
 For each `kv_cache_dtype` (auto = float32, bfloat16, int8, fp8_e4m3, fp8_e5m2), with the float32 model:
-  1. capacity: the blocks and tokens a 256 MiB pool holds (`minfer.kv_cache.determine_num_blocks`, and the
+  1. capacity: the blocks and tokens a 256 MiB pool holds (`minfer.kv_cache_plan.determine_num_blocks`, and the
      bytes the allocated pool really has), and KV bytes per token;
   2. logits: one prefill of the 20 prompts joined into one text, every position's logits against the
      auto path's: max |diff| / std of the reference logits, mean KL(auto || quantized) in nats, and how
@@ -46,7 +46,7 @@ def main() -> None:
 
     from minfer import LLM, SamplingParams
     from minfer.generate import SimpleGenerator
-    from minfer.kv_cache import bytes_per_block, determine_num_blocks
+    from minfer.kv_cache_plan import bytes_per_block, determine_num_blocks
     from tests.test_engine import PROMPTS
 
     n_prompts, n_tokens = (6, 24) if args.quick else (20, 64)

@@ -16,63 +16,6 @@ import torch
 
 from minfer.attention.kv_quant import SCALE_DTYPE, KVCacheSpec, kv_cache_spec, raw
 from minfer.config import ModelConfig
-from minfer.memory import human_bytes, kv_cache_bytes, physical_memory_bytes
-
-CPU_DEFAULT_KV_BYTES = 1 << 30  # on a CPU, 1 GiB of KV unless kv_cache_memory_bytes says otherwise
-
-
-def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
-    """Bytes one block takes across all layers: layers x 2 x block_size x kv_heads x (head_dim x elem + scale)
-    (`memory.kv_cache_bytes`), for a model computing in `dtype` with the pool of `kv_cache_dtype`."""
-    spec = kv_cache_spec(kv_cache_dtype, dtype)
-    return kv_cache_bytes(cfg.num_hidden_layers, 1, block_size, cfg.num_key_value_heads, cfg.head_dim, spec.dtype,
-                          spec.scale_bytes)
-
-
-def own_memory_in_use(device: torch.device) -> int:
-    """Bytes this process has allocated on a CUDA device (its own, not other processes')."""
-    return torch.cuda.memory_reserved(device)
-
-
-def determine_num_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,
-                         kv_cache_memory_bytes: int | None, gpu_memory_utilization: float,
-                         max_model_len: int, kv_cache_dtype: str = "auto") -> int:
-    """How many blocks the pool gets (a quantized `kv_cache_dtype` fits more of them in the same bytes).
-
-    - `kv_cache_memory_bytes` given: that many bytes, on any device.
-    - CUDA: `gpu_memory_utilization x total - what this process already holds` (weights plus the peak of a
-      profiling forward, measured by the caller before this is called). Other processes' memory is not
-      subtracted, so it can never drive the count to zero on its own.
-    - CPU: 1 GiB.
-
-    Raises:
-        ValueError: the pool cannot hold one sequence of `max_model_len` tokens (states the numbers and the
-            option to change).
-    """
-    per_block = bytes_per_block(cfg, block_size, dtype, kv_cache_dtype)
-    if kv_cache_memory_bytes is not None:
-        budget, knob = int(kv_cache_memory_bytes), "kv_cache_memory_bytes"
-    elif device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        budget = int(total * gpu_memory_utilization) - max(own_memory_in_use(device),
-                                                           torch.cuda.max_memory_allocated(device))
-        knob = "gpu_memory_utilization"
-    else:
-        budget, knob = CPU_DEFAULT_KV_BYTES, "kv_cache_memory_bytes"
-    if device.type == "cpu":
-        ram = physical_memory_bytes()
-        if budget > ram:
-            raise ValueError(f"{knob} asks for {human_bytes(budget)} of KV cache but this machine has "
-                             f"{human_bytes(ram)} of memory. Lower {knob}.")
-    num_blocks = max(budget, 0) // per_block
-    need = -(-max_model_len // block_size)
-    if num_blocks < need:
-        raise ValueError(
-            f"the KV pool has room for {num_blocks} blocks ({human_bytes(max(budget, 0))}, "
-            f"{human_bytes(per_block)} per block of {block_size} tokens), but one sequence of max_model_len="
-            f"{max_model_len} tokens needs {need} blocks ({human_bytes(need * per_block)}). "
-            f"Raise {knob} or lower max_model_len.")
-    return int(num_blocks)
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pin_memory: bool = False) -> torch.Tensor:

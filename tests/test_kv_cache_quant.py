@@ -14,7 +14,8 @@ from minfer.attention.base import Attention, ForwardContext
 from minfer.attention.kv_quant import dequantize_kv, kv_cache_spec, quantize_kv
 from minfer.attention.torch_ref import PagedTorchBackend, attend
 from minfer.config import EngineArgs, ModelConfig
-from minfer.kv_cache import KVCachePool, bytes_per_block, determine_num_blocks
+from minfer.kv_cache import KVCachePool
+from minfer.kv_cache_plan import bytes_per_block, determine_num_blocks
 from minfer.swap import SwappingKVCachePool
 from minfer.memory import kv_cache_bytes
 from tests.conftest import needs_default_model

@@ -9,7 +9,8 @@ import torch
 
 from minfer import memory
 from minfer.config import ModelConfig
-from minfer.kv_cache import KVCachePool, bytes_per_block
+from minfer.kv_cache import KVCachePool
+from minfer.kv_cache_plan import bytes_per_block
 from minfer.swap import SwappingKVCachePool
 from minfer.attention import ContiguousBackend
 

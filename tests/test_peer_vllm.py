@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from minfer.kv_cache import bytes_per_block
+from minfer.kv_cache_plan import bytes_per_block
 from tests.benchmark_scripts import load_benchmark
 
 peer_vllm = load_benchmark("peer_vllm")

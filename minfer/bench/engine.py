@@ -101,7 +101,7 @@ def make_llm(**kwargs):
 
 def kv_bytes_for(llm_or_cfg, num_tokens: int, block_size: int = 16, margin: float = 1.25) -> int:
     """Bytes of a KV pool that holds `num_tokens` tokens (with a margin), for the model of `llm_or_cfg`."""
-    from minfer.kv_cache import bytes_per_block
+    from minfer.kv_cache_plan import bytes_per_block
 
     engine = getattr(llm_or_cfg, "llm_engine", None)
     cfg = engine.model_config.config if engine is not None else llm_or_cfg

@@ -25,7 +25,7 @@ from torch import nn
 
 from minfer.attention import Attention, ForwardContext
 from minfer.config import ModelConfig
-from minfer.model.layers import BuildOptions, Linear, MergedLinear, RMSNorm, TiedEmbedding, silu_and_mul
+from minfer.model.layers import MLP, BuildOptions, Linear, MergedLinear, RMSNorm, TiedEmbedding
 from minfer.model.llama_config import llama_config  # noqa: F401 (the registry reads the adapter here)
 from minfer.model.positions import RotaryEmbedding
 
@@ -61,25 +61,11 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
-class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward, down(silu(gate(x)) * up(x)), with gate|up in one matmul."""
-
-    def __init__(self, hidden: int, intermediate_size: int, bias: bool, build: BuildOptions):
-        super().__init__()
-        method = build.linear_method
-        self.gate_up_proj = MergedLinear(hidden, [intermediate_size, intermediate_size], bias=bias, method=method)
-        self.down_proj = Linear(intermediate_size, hidden, bias=bias, method=method)
-        self.act = build.fused_ops.silu_and_mul if build.fused_ops is not None else silu_and_mul
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
-
-
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, build: BuildOptions):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_idx, build)
-        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, build)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, build)  # SwiGLU (minfer/model/layers.py)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused=build.fused_ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused=build.fused_ops)
 

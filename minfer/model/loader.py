@@ -248,7 +248,7 @@ def check_fits_in_memory(cfg: ModelConfig, dtype: torch.dtype, device: torch.dev
                          quantized: bool = False) -> None:
     """ValueError, before any tensor is made, when `estimate_model_bytes` is more than the device's memory
     (`device_memory_bytes`); the message gives both and the config's sizes. The KV pool is checked against
-    the same memory where it is sized (`minfer.kv_cache.determine_num_blocks`)."""
+    the same memory where it is sized (`minfer.kv_cache_plan.determine_num_blocks`)."""
     need, have = estimate_model_bytes(cfg, dtype, max_positions, quantized), device_memory_bytes(device)
     if need > have:
         raise ValueError(
