@@ -239,3 +239,18 @@ def test_streamed_response_cut_by_max_output_tokens_ends_incomplete(client):
         events = list(stream)
     assert events[-1].type == "response.incomplete"
     assert events[-1].response.incomplete_details.reason == "max_output_tokens"
+
+
+def test_input_items_delete_and_cancel_with_the_openai_client(client):
+    r = client.responses.create(model=MODEL, input="Say hi.", max_output_tokens=2)
+    items = client.responses.input_items.list(r.id)
+    assert [(i.type, i.role) for i in items.data] == [("message", "user")]
+    assert items.data[0].content[0].text == "Say hi." and items.has_more is False
+    with pytest.raises(openai.BadRequestError) as e:  # not a background response, as OpenAI answers
+        client.responses.cancel(r.id)
+    assert "background" in e.value.message
+    client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(r.id)

@@ -111,27 +111,17 @@ def check_utf8(value, param: str) -> None:
         if isinstance(v, str):
             found = _SURROGATE.search(v)
             if found:
-                raise APIError(400, f"{at} is not valid Unicode: it holds a lone UTF-16 surrogate "
+                raise APIError(400, f"{echo(at, 200)} is not valid Unicode: it holds a lone UTF-16 surrogate "
                                     f"(\\u{ord(found.group()):04x}) at character {found.start()}, which UTF-8 "
                                     "cannot encode", param=param)
         elif isinstance(v, dict):
             for k, item in v.items():
                 if isinstance(k, str) and _SURROGATE.search(k):
-                    raise APIError(400, f"{at} has a key that holds a lone UTF-16 surrogate ({echo(k)}), which "
-                                        "UTF-8 cannot encode", param=param)
+                    raise APIError(400, f"{echo(at, 200)} has a key that holds a lone UTF-16 surrogate ({echo(k)}), "
+                                        "which UTF-8 cannot encode", param=param)
                 stack.append((item, f"{at}.{k}" if isinstance(k, str) else at))
         elif isinstance(v, list):
             stack.extend((item, f"{at}[{i}]") for i, item in enumerate(v))
-
-
-def may_hold_surrogates(raw: bytes) -> bool:
-    """Whether the JSON text `raw` could hold a lone surrogate: only an escape `\\uD800`-`\\uDFFF` writes
-    one (UTF-8 cannot encode them, so a body that decodes has none raw). A quick test that spares the walk of
-    `check_utf8` for nearly every body."""
-    return _SURROGATE_ESCAPE.search(raw) is not None
-
-
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 
 
 def engine_error(exc: Exception, default_param: str = "prompt") -> APIError:
