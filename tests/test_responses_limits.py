@@ -175,6 +175,7 @@ def test_lone_surrogates_are_a_400_naming_the_field(client, stream, field, value
     ("/v1/completions", {"prompt": "alpha \ud800", "max_tokens": 2}, "prompt"),
     ("/v1/completions", {"prompt": ["alpha", "\udbff"], "max_tokens": 2}, "prompt"),
     ("/tokenize", {"prompt": "alpha \ud800"}, "prompt"),
+    ("/generate", {"prompt": "alpha \ud800"}, "prompt"),
     ("/tokenize", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
 ])
 def test_lone_surrogates_elsewhere_are_a_400_without_internals(client, path, body, param):
@@ -289,6 +290,7 @@ def test_a_finished_stream_ends_completed(client):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
     ("/v1/completions", {"prompt": "hi"}),
     ("/v1/responses", {"input": "hi"}),
+    ("/generate", {"prompt": "hi"}),
 ])
 @pytest.mark.parametrize("ids", [[1e30], [2.5], [-1], [50000], [10**12], ["7"]])
 def test_stop_token_ids_outside_the_vocabulary_are_a_400(client, path, body, ids):

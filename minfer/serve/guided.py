@@ -81,7 +81,8 @@ def guided_decoding_params(body: dict) -> tuple[GuidedDecodingParams | None, str
 
 
 # A choice is compiled into a grammar with one branch per string, and its token masks grow with them: 10^5
-# choices ran 150 s without an answer. Classification labels, what guided_choice is for, are far fewer.
+# choices ran 150 s without an answer. Classification labels, what guided_choice is for, are far fewer; 1,024
+# choices of 27 characters answered in 3.4 s with SmolLM2 on a 2-core CPU, as fast as 64 did.
 MAX_GUIDED_CHOICES = 1024  # strings
 MAX_GUIDED_CHOICE_BYTES = 64 * 2**10  # UTF-8 bytes of all of them together
 
