@@ -108,9 +108,6 @@ class StoredResponse:
     def messages(self) -> list[dict]:
         return json.loads(self.messages_json)
 
-    def __getitem__(self, i: int):  # (response, messages), as the store held them before
-        return (self.response(), self.messages())[i]
-
 
 class ResponseStore:
     """Stored responses, id -> `StoredResponse`, bounded in count and in bytes.
