@@ -73,7 +73,9 @@ def test_input_as_message_items_with_developer_role(client):
 
 
 def test_stream_events_in_order_and_text_equal_to_non_stream(client):
-    kwargs = dict(model=MODEL, input="Count from one to five.", max_output_tokens=16, temperature=0)
+    # room for the whole answer (25 tokens): a stream cut by max_output_tokens ends with response.incomplete
+    # instead (test_streamed_response_cut_by_max_output_tokens_ends_incomplete)
+    kwargs = dict(model=MODEL, input="Count from one to five.", max_output_tokens=40, temperature=0)
     plain = client.responses.create(**kwargs)
     with client.responses.stream(**kwargs) as stream:
         events = list(stream)
@@ -204,3 +206,51 @@ def test_openai_agents_runs_on_the_responses_api(server):
                           model_settings=agents.ModelSettings(temperature=0, tool_choice="required"))
     result = agents.Runner.run_sync(tooled, "What is the weather in Paris?")
     assert len(seen) == 1 and result.final_output == f"Sunny in {seen[0]}"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Issue 40 on the real server (the rest, on the fake engine: tests/test_responses_limits.py)
+# ----------------------------------------------------------------------------------------------------------
+def test_tokenize_with_tools_counts_the_chat_prompt(server, client):
+    """/tokenize renders tools as the chat route does: its count is chat's usage.prompt_tokens."""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    chat_tools = [{"type": "function", "function": {k: v for k, v in TOOLS[0].items() if k != "type"}}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=chat_tools, max_tokens=1)
+    with_tools = httpx.post(server + "/tokenize", json={"messages": messages, "tools": chat_tools}, timeout=60)
+    without = httpx.post(server + "/tokenize", json={"messages": messages}, timeout=60)
+    assert with_tools.json()["count"] == r.usage.prompt_tokens > without.json()["count"]
+
+
+def test_4mb_metadata_and_lone_surrogates_are_400s(server):
+    r = httpx.post(server + "/v1/responses", timeout=60,
+                   json={"model": MODEL, "input": "hi", "max_output_tokens": 2, "metadata": {"k": "v" * 4_000_000}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "metadata", r.text[:300]
+    for stream in (False, True):
+        raw = json.dumps({"model": MODEL, "input": "hi", "max_output_tokens": 2, "stream": stream,
+                          "metadata": {"k": "\ud800"}})
+        r = httpx.post(server + "/v1/responses", content=raw, headers={"Content-Type": "application/json"},
+                       timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "metadata", r.text[:300]
+
+
+def test_streamed_response_cut_by_max_output_tokens_ends_incomplete(client):
+    with client.responses.stream(model=MODEL, input="Write a long story about a dragon.", max_output_tokens=4,
+                                 temperature=0) as stream:
+        events = list(stream)
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.incomplete_details.reason == "max_output_tokens"
+
+
+def test_input_items_delete_and_cancel_with_the_openai_client(client):
+    r = client.responses.create(model=MODEL, input="Say hi.", max_output_tokens=2)
+    items = client.responses.input_items.list(r.id)
+    assert [(i.type, i.role) for i in items.data] == [("message", "user")]
+    assert items.data[0].content[0].text == "Say hi." and items.has_more is False
+    with pytest.raises(openai.BadRequestError) as e:  # not a background response, as OpenAI answers
+        client.responses.cancel(r.id)
+    assert "background" in e.value.message
+    client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(r.id)

@@ -202,7 +202,7 @@ def test_request_timeout_ends_with_what_it_has():
         r = httpx.post(url + "/v1/completions", json={"prompt": "alpha", "max_tokens": 200, "ignore_eos": True},
                        timeout=30)
         assert r.json()["choices"][0]["finish_reason"] == "timeout"
-        assert 'kind="timeout"' in httpx.get(url + "/metrics").text
+        assert 'minfer:request_fallbacks_total{kind="timeout",model_name="fake"} 1.0' in httpx.get(url + "/metrics").text
 
 
 def test_truncate_prompt_tokens_keeps_the_tail_and_refuses_bad_values():
@@ -257,7 +257,8 @@ def test_a_request_that_can_never_fit_the_waiting_limit_is_400_not_503():
         r = httpx.post(url + "/v1/completions", json={"prompt": ["alpha", "beta"], "n": 3, "max_tokens": 2})
         assert r.status_code == 200, r.text
         _all_free(url)
-        assert 'kind="shed"' not in httpx.get(url + "/metrics").text  # refused, not shed
+        # refused, not shed (the series is exported from 0)
+        assert 'minfer:request_fallbacks_total{kind="shed",model_name="fake"} 0.0' in httpx.get(url + "/metrics").text
 
 
 @pytest.mark.parametrize("kw", [dict(max_waiting_requests=-1), dict(max_waiting_requests=0), dict(request_timeout=0),

@@ -200,6 +200,13 @@ def _add_limit_flags(group) -> None:
     a("--h11-max-incomplete-event-size", type=_bytes, metavar="BYTES", default=lim.h11_max_incomplete_event_size,
       help="largest header section; bigger is a 400 (bytes; default: "
            f"{lim.h11_max_incomplete_event_size} = 16 KiB, h11's)")
+    a("--max-stored-responses", type=int, metavar="N", default=lim.max_stored_responses,
+      help="most responses /v1/responses keeps for previous_response_id and GET /v1/responses/{id}; the oldest "
+           f"go first (responses; default: {lim.max_stored_responses})")
+    a("--max-response-store-bytes", type=_bytes, metavar="BYTES", default=lim.max_response_store_bytes,
+      help="most memory those stored responses take together, as their JSON; the oldest go first, and one "
+           f"larger alone is served but not stored (bytes, e.g. 128M; default: {lim.max_response_store_bytes} "
+           "= 128 MiB)")
     docs = group.add_mutually_exclusive_group().add_argument
     docs("--enable-fastapi-docs", action="store_true",
       help="serve the OpenAPI schema at /openapi.json, behind --api-key if set; the interactive /docs and /redoc "
@@ -220,7 +227,8 @@ def limits_from(args: argparse.Namespace) -> ServerLimits:
         max_request_body_bytes=args.max_request_body_bytes, max_prompt_chars=args.max_prompt_chars,
         max_seqs_per_request=args.max_seqs_per_request, body_read_timeout=args.body_read_timeout,
         header_read_timeout=args.header_read_timeout, timeout_keep_alive=args.timeout_keep_alive,
-        h11_max_incomplete_event_size=args.h11_max_incomplete_event_size)
+        h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+        max_stored_responses=args.max_stored_responses, max_response_store_bytes=args.max_response_store_bytes)
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:

@@ -28,7 +28,7 @@ from minfer.serve.fallbacks import (
     truncate_prompts)
 from minfer.serve.guided import check as check_guided
 from minfer.serve.limits import check_fan_out, check_prompt_chars, read_json_body
-from minfer.serve.protocol import APIError, echo, fit_max_tokens, param_of
+from minfer.serve.protocol import APIError, check_stop_token_ids, check_utf8, echo, fit_max_tokens, param_of
 from minfer.serve.serving import _collect_unless_disconnected, _SSEResponse
 
 router = APIRouter()
@@ -74,12 +74,16 @@ async def generate(request: Request):
         check_guided(params.guided_decoding, "guided_decoding")
     check_fan_out(1, params.n, serving.limits)
     check_prompt_chars([prompt], serving.limits, serving.max_model_len)
+    check_utf8(prompt, "prompt")  # echoed in the answer, and the tokenizer's own message names its internals
+    check_stop_token_ids(params, serving.vocab_size)
     try:
         ids = await run_in_threadpool(serving.engine.tokenizer.encode, prompt)
-    except Exception as exc:  # noqa: BLE001 - e.g. lone surrogates
-        raise APIError(400, f"the prompt could not be tokenized: {exc}", param="prompt") from None
+    except Exception as exc:  # noqa: BLE001 - the tokenizer's message names its internals: not for the client
+        raise APIError(400, f"the prompt could not be tokenized ({type(exc).__name__})", param="prompt") from None
     keep = truncate_prompt_tokens_setting(body, serving.max_model_len)
     timeout = request_timeout_setting(body, serving.fallbacks)
+    if keep is not None and len(ids) > keep and serving.engine_loop.metrics is not None:
+        serving.engine_loop.metrics.count_fallback("truncate_prompt_tokens")
     [ids] = truncate_prompts([ids], keep)
     params = fit_max_tokens(params, len(ids), serving.max_model_len, LEGACY_DEFAULT_MAX_TOKENS)
     arrival = time.perf_counter()

@@ -61,6 +61,11 @@ class ServerLimits:
         h11_max_incomplete_event_size: largest header section, request line included (bytes;
             `--h11-max-incomplete-event-size`, h11's default, 16 KiB); a bigger one is a 431 from
             `FramingMiddleware` (h11 itself answers 400 only to one still unfinished at that size).
+        max_stored_responses: most responses the Responses API keeps for `previous_response_id` and its
+            GET routes (responses; `--max-stored-responses`); the oldest go first.
+        max_response_store_bytes: most bytes those stored responses take together, as their JSON
+            (`responses.ResponseStore`; bytes, `--max-response-store-bytes`); the oldest go first. The default,
+            128 MiB, keeps the API process under 200 MB above idle however large the responses.
 
     Raises:
         ValueError: a limit that is not a positive number (the message names it).
@@ -73,6 +78,8 @@ class ServerLimits:
     header_read_timeout: float = 10.0
     timeout_keep_alive: float = 5.0
     h11_max_incomplete_event_size: int = 16 * 2**10
+    max_stored_responses: int = 1024
+    max_response_store_bytes: int = 128 * 2**20
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

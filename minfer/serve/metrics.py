@@ -35,9 +35,11 @@ collide). Everything here is updated from the engine-loop thread; prometheus-cli
 | minfer:cache_config_info | gauge (1) | the KV cache's settings, as labels (block_size, num_gpu_blocks, ...) |
 | minfer:avg_prompt_throughput_toks_per_s / minfer:avg_generation_throughput_toks_per_s | gauge | tokens/s over the last ~10 s |
 | minfer:engine_step_errors | counter | engine steps that raised (their requests failed, the loop went on) |
-| minfer:request_fallbacks | counter | fallbacks applied, label kind (timeout, max_tokens_capped, shed) |
+| minfer:request_fallbacks | counter | fallbacks applied, label kind (shed, timeout, truncate_prompt_tokens, max_tokens_capped), each exported from 0 |
 
-Counters are exported with the `_total` suffix (`minfer:prompt_tokens_total`), as prometheus-client does.
+Counters are exported with the `_total` suffix (`minfer:prompt_tokens_total`), as prometheus-client does and as
+vLLM's are (its Counter "vllm:prefix_cache_hits" is scraped as `vllm:prefix_cache_hits_total`); a labelled
+counter is exported only once a label set exists, so every `kind` of the fallbacks is created at 0.
 
 Every series is exported twice: as `minfer:NAME` and as `vllm:NAME` (the same samples, renamed at export,
 `render`, with vLLM's `engine` label, "0": one engine per server), so a dashboard built for vLLM works
@@ -83,6 +85,11 @@ _COUNTER_FIELDS = {
     "spec_decode_num_accepted_tokens": "spec_decode_num_accepted_tokens",
 }
 
+
+# The `kind` label of minfer:request_fallbacks (chapter 15's fallbacks, `fallbacks.py`): a request refused by
+# --max-waiting-requests, ended by its time limit, its prompt cut by truncate_prompt_tokens, its max_tokens
+# capped under KV pressure
+FALLBACK_KINDS = ("shed", "timeout", "truncate_prompt_tokens", "max_tokens_capped")
 
 # Series the API server observes per request (not the engine): a data-parallel router keeps them itself
 API_SERVER_SERIES = ("minfer:request_errors", "minfer:request_fallbacks", "minfer:request_params_n",
@@ -204,6 +211,8 @@ class ServerMetrics(RequestParamsMetrics):
         self.step_errors = counter("minfer:engine_step_errors", "Engine steps that raised (their requests failed).")
         self._fallbacks = Counter("minfer:request_fallbacks", "Fallbacks applied (fallbacks.py).",
                                   ["model_name", "kind"], registry=r)
+        for kind in FALLBACK_KINDS:  # exported at 0 from the start: a dashboard's series exists before the first
+            self._fallbacks.labels(model_name, kind)
         self._cache_config: Gauge | None = None
         self._totals: deque = deque()  # (time, prompt tokens total, generation tokens total)
         self._last: dict[str, float] = {}

@@ -4,7 +4,7 @@ tools find them.
 | route | answers |
 | --- | --- |
 | GET /v1/models/{model} | one served model, as OpenAI's model object (the openai client's `models.retrieve`); 404 in OpenAI's error shape for an unknown id |
-| POST /tokenize | vLLM's: `{"prompt"}` or `{"messages"}` (+ `add_special_tokens`, `add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`, `return_token_strs`) -> `{"count", "max_model_len", "tokens", "token_strs"}` |
+| POST /tokenize | vLLM's: `{"prompt"}` or `{"messages"}` (+ `tools`, `tool_choice`, `add_special_tokens`, `add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`, `return_token_strs`) -> `{"count", "max_model_len", "tokens", "token_strs"}`; messages rendered as the chat route renders them |
 | POST /detokenize | vLLM's: `{"tokens": [ids]}` -> `{"prompt": text}` |
 | GET /tokenizer_info | vLLM's: the tokenizer's class, special tokens (as text), chat template and `model_max_length`, which lm-eval's `tokenizer_backend=remote` reads (with /tokenize and /detokenize) instead of downloading a tokenizer |
 | GET /version | `{"version": minfer.__version__}` |
@@ -19,9 +19,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from minfer.serve.limits import check_message_chars, check_prompt_chars, read_json_body
-from minfer.serve.protocol import (
-    APIError, _get_bool, chat_template_options, echo, normalize_messages, resolve_model)
+from minfer.serve.limits import check_prompt_chars, read_json_body
+from minfer.serve.protocol import APIError, _get_bool, check_utf8, echo, resolve_model
 
 router = APIRouter()
 OPEN_PATHS = frozenset({"/ping"})  # open even with --api-key, as /health
@@ -84,8 +83,19 @@ async def ping(request: Request):
 
 @router.post("/tokenize")
 async def tokenize(request: Request):
-    """vLLM's /tokenize: a prompt (special tokens added unless `add_special_tokens: false`) or chat messages
-    (rendered with the chat template; `add_special_tokens` defaults to false there, as in vLLM)."""
+    """vLLM's /tokenize: a prompt (special tokens added unless `add_special_tokens: false`) or chat messages.
+
+    Messages are rendered exactly as /v1/chat/completions renders them (`routes.check_chat`, then
+    `routes._render_chat`): with `tools` and `tool_choice`, the template controls (`add_generation_prompt`,
+    `continue_final_message`, `chat_template_kwargs`) and the same size checks, so `count` is the chat answer's
+    `usage.prompt_tokens` for the same body. `add_special_tokens` defaults to false there, as in vLLM.
+
+    Raises:
+        APIError(400): both or neither of prompt and messages; a field the chat route would refuse; a field that
+            cannot be honoured (`chat_template`, `mm_processor_kwargs`, `tools` with a prompt) rather than ignored.
+    """
+    from minfer.serve.routes import _render_chat, check_chat
+
     serving = _serving(request)
     body = await read_json_body(request, serving.limits)
     resolve_model(body, serving.served_model_names)
@@ -93,34 +103,38 @@ async def tokenize(request: Request):
     strs = _get_bool(body, "return_token_strs", False)
     if ("prompt" in body) == ("messages" in body):
         raise APIError(400, "give exactly one of 'prompt' (a string) and 'messages' (a chat)", param="prompt")
+    if body.get("mm_processor_kwargs") is not None:
+        raise APIError(400, "mm_processor_kwargs: minfer serves text models only", param="mm_processor_kwargs")
     if "prompt" in body:
+        for name in ("tools", "tool_choice", "chat_template", "chat_template_kwargs"):
+            if body.get(name) is not None:
+                raise APIError(400, f"{name} applies to 'messages', not to a 'prompt'", param=name)
         prompt = body["prompt"]
         if not isinstance(prompt, str):
             raise APIError(400, f"prompt must be a string, got {echo(prompt)}", param="prompt")
         check_prompt_chars([prompt], serving.limits, serving.max_model_len)
+        check_utf8(prompt, "prompt")
         special = _get_bool(body, "add_special_tokens", True)
-        fn = (lambda: tok.encode(prompt, add_special_tokens=special))
+        ids = await run_in_threadpool(_encode, tok, prompt, special)
     else:
-        check_message_chars(body["messages"], serving.limits, serving.max_model_len)
-        messages = normalize_messages(body["messages"])
-        options = chat_template_options(body)  # as /v1/chat/completions renders them
         special = _get_bool(body, "add_special_tokens", False)
+        tools, messages, options = check_chat(serving, body)
+        ids = await _render_chat(serving, messages, tools, options, add_special_tokens=special)
 
-        def fn():
-            text = tok.apply_chat_template(messages, **options)
-            return tok.encode(text, add_special_tokens=special)
     def answer():  # in a worker thread, the answer's JSON too: a million token strings must not hold the loop
-        try:
-            ids = fn()
-        except (ValueError, TypeError, KeyError) as exc:
-            raise APIError(400, f"could not tokenize: {exc}",
-                           param="prompt" if "prompt" in body else "messages") from None
         out = {"count": len(ids), "max_model_len": serving.max_model_len, "tokens": list(ids)}
         if strs:
             out["token_strs"] = [serving.tok_text(t) for t in ids]
         return JSONResponse(out)
 
     return await run_in_threadpool(answer)
+
+
+def _encode(tok, prompt: str, special: bool) -> list[int]:
+    try:
+        return tok.encode(prompt, add_special_tokens=special)
+    except Exception as exc:  # noqa: BLE001 - the tokenizer's message names its internals: not for the client
+        raise APIError(400, f"the prompt could not be tokenized ({type(exc).__name__})", param="prompt") from None
 
 
 @router.post("/detokenize")

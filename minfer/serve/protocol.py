@@ -58,12 +58,70 @@ def encodable(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+# Characters an echoed value must not carry raw: C0/C1 controls other than tab and newlines, and Unicode's
+# format characters (category Cf), which hold the bidi overrides (U+202E turns the text after it around).
+_UNSAFE_ECHO = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u00ad\u061c\u180e\u200b-\u200f"
+                          "\u202a-\u202e\u2060-\u2069\ufeff\ufff9-\ufffb]")
+
+
 def echo(value, limit: int = 100) -> str:
-    """A client's value, quoted in an error message: safe to encode, and cut to `limit` characters."""
+    """A client's value, quoted in an error message: safe to encode, cut to `limit` characters, and with
+    control and bidi characters written as escapes (`\\u202e`), so a quoted id cannot reorder the text
+    around it."""
     text = value if isinstance(value, str) else repr(value)
     if len(text) > limit:
         text = f"{text[:limit]}... ({len(text)} characters)"
+    text = _UNSAFE_ECHO.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
     return encodable(text)
+
+
+MAX_ID_CHARS = 256  # an id minfer makes is "resp_" + 32 hex digits; a client's call_id is about as short
+
+
+def check_id(value, param: str) -> str:
+    """`value` as an id that is safe to store and echo: a string of 1 to `MAX_ID_CHARS` characters with no
+    control, bidi or other format character and no lone surrogate.
+
+    Raises:
+        APIError(400, param=param): anything else (the value quoted with those characters escaped).
+    """
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_ID_CHARS:
+        raise APIError(400, f"{param} must be a string of 1 to {MAX_ID_CHARS} characters, got {echo(value)}",
+                       param=param)
+    if _UNSAFE_ECHO.search(value) or _SURROGATE.search(value) or not value.isprintable():
+        raise APIError(400, f"{param} must not hold control, bidi or other invisible characters, got {echo(value)}",
+                       param=param)
+    return value
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_utf8(value, param: str) -> None:
+    """APIError(400) naming where a string inside `value` (a parsed JSON value) holds a lone surrogate.
+
+    JSON may write a UTF-16 surrogate alone (`"\\ud800"`) and Python then reads a string UTF-8 cannot
+    encode: echoed in an answer it would fail as the answer is written (a 500, or a streamed 200 cut empty),
+    and a tokenizer refuses it with its own internal message. The location is given as a path
+    (`metadata.k`, `messages[0].content`). Iterative: the depth is the body's, which `parse_json_body` bounds.
+    """
+    stack = [(value, param)]
+    while stack:
+        v, at = stack.pop()
+        if isinstance(v, str):
+            found = _SURROGATE.search(v)
+            if found:
+                raise APIError(400, f"{echo(at, 200)} is not valid Unicode: it holds a lone UTF-16 surrogate "
+                                    f"(\\u{ord(found.group()):04x}) at character {found.start()}, which UTF-8 "
+                                    "cannot encode", param=param)
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                if isinstance(k, str) and _SURROGATE.search(k):
+                    raise APIError(400, f"{echo(at, 200)} has a key that holds a lone UTF-16 surrogate ({echo(k)}), "
+                                        "which UTF-8 cannot encode", param=param)
+                stack.append((item, f"{at}.{k}" if isinstance(k, str) else at))
+        elif isinstance(v, list):
+            stack.extend((item, f"{at}[{i}]") for i, item in enumerate(v))
 
 
 def engine_error(exc: Exception, default_param: str = "prompt") -> APIError:
@@ -134,7 +192,17 @@ def parse_json_body(raw: bytes) -> dict:
         raise APIError(400, f"request body holds {containers} JSON objects and arrays; the server parses at most "
                             f"{MAX_JSON_CONTAINERS}")
     try:
-        body = json.loads(raw)
+        # RFC 8259 §8.1: JSON exchanged between systems is UTF-8 (a leading byte order mark may be ignored).
+        # json.loads would also guess UTF-16 and UTF-32 from the first bytes; those are refused here.
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise APIError(400, f"request body is not UTF-8 (RFC 8259 §8.1 requires it): {exc.reason} at byte "
+                            f"{exc.start}") from None
+    if "\x00" in text[:4]:  # UTF-16/32 ASCII text: its NULs decode as UTF-8 too
+        raise APIError(400, "request body is not UTF-8 (RFC 8259 §8.1 requires it): it looks like UTF-16 or "
+                            "UTF-32")
+    try:
+        body = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(400, f"request body is not valid JSON: {exc}") from None
     except RecursionError:  # e.g. [[[[...]]]] thousands deep: valid JSON, but nothing a request needs
@@ -312,6 +380,18 @@ def fit_max_tokens(params: SamplingParams, prompt_len: int, max_model_len: int,
         param = "min_tokens" if "min_tokens" in str(exc) else "max_tokens"
         raise APIError(400, f"{str(exc).replace('SamplingParams.', '')} (max_tokens was not given; it defaults "
                        f"to {room if default is None else min(default, room)} here)", param=param) from None
+
+
+def check_stop_token_ids(params: SamplingParams, vocab_size: int | None) -> None:
+    """APIError(400, param="stop_token_ids") for a stop token id outside the vocabulary [0, vocab_size): the
+    model can never emit it, so the client meant something else (SamplingParams has already refused what is
+    not a non-negative integer, such as 1e30)."""
+    if vocab_size is None:
+        return
+    bad = [t for t in params.stop_token_ids if t >= vocab_size]
+    if bad:
+        raise APIError(400, f"stop_token_ids must be token ids in [0, {vocab_size}) (the model's vocabulary), got "
+                            f"{echo(bad[:5])}", param="stop_token_ids")
 
 
 def _is_ids(x) -> bool:

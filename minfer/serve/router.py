@@ -46,7 +46,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.metrics_core import Metric
 from prometheus_client.samples import Sample
 
-from minfer.serve.metrics import API_SERVER_SERIES, RequestParamsMetrics, ServerMetrics, _WithVllmNames
+from minfer.serve.metrics import API_SERVER_SERIES, FALLBACK_KINDS, RequestParamsMetrics, ServerMetrics, _WithVllmNames
 from minfer.serve.protocol import APIError
 
 logger = logging.getLogger("minfer.serve")
@@ -233,13 +233,15 @@ class DPMetrics(RequestParamsMetrics):
 
         self._fallbacks = Counter("minfer:request_fallbacks", "Fallbacks applied by the API server (fallbacks.py), "
                                   "counted before any routing.", ["model_name", "kind"], registry=r)
+        for kind in FALLBACK_KINDS:  # each exported from 0, as ServerMetrics does
+            self._fallbacks.labels(model_name, kind)
         self._init_request_params(r, model_name)
 
     def count_error(self, status: int) -> None:
         self._errors.labels(self.model_name, str(status)).inc()
 
     def count_fallback(self, kind: str) -> None:
-        """A fallback of the API server (shed, max_tokens_capped, timeout): counted here, before any routing."""
+        """A fallback of the API server (`metrics.FALLBACK_KINDS`): counted here, before any routing."""
         self._fallbacks.labels(self.model_name, kind).inc()
 
     def set_cache_config(self, info: dict) -> None:

@@ -11,7 +11,7 @@
 | GET / | the demo page (`static/index.html`), with a Content-Security-Policy that allows only its own code |
 | GET /v1/models/{id}, POST /tokenize, /detokenize, GET /version, /ping | `ops_routes.py` (vLLM's and OpenAI's extra routes) |
 | POST /generate | vLLM's legacy api_server route (`legacy_api.py`) |
-| POST /v1/responses, GET /v1/responses/{id} | OpenAI's Responses API, translated to and from chat (`responses.py`) |
+| POST /v1/responses, GET/DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items, POST /v1/responses/{id}/cancel | OpenAI's Responses API, translated to and from chat (`responses.py`) |
 
 Each GET route also answers HEAD (the same headers, no body). Each handler only parses (with `protocol`, after
 the admission checks of `limits`) and hands over (to `serving.OpenAIServing`). They find what they share in
@@ -52,8 +52,8 @@ from minfer.serve.limits import (
     check_tool_chars, read_json_body)
 from minfer.serve.metrics import ServerMetrics
 from minfer.serve.protocol import (
-    DEFAULT_COMPLETION_MAX_TOKENS, APIError, chat_template_options, context_overflow, echo_setting, normalize_messages,
-    parse_prompts, resolve_model, sampling_params)
+    DEFAULT_COMPLETION_MAX_TOKENS, APIError, chat_template_options, check_utf8, context_overflow, echo, echo_setting,
+    normalize_messages, parse_prompts, resolve_model, sampling_params)
 from minfer.serve.fallbacks import FallbackConfig, truncate_prompt_tokens_setting
 from minfer.serve.legacy_api import router as legacy_router
 from minfer.serve.ops_routes import router as ops_router
@@ -161,12 +161,14 @@ async def completions(request: Request):
         return out
 
     texts = list(prompts)
+    check_utf8(prompts, "prompt")  # before the tokenizer, whose own message names its internals
     try:  # off the engine thread: a megabyte of prompt text must not stall everyone's decoding
         prompts = await run_in_threadpool(tokenize)
     except APIError:
         raise
-    except Exception as exc:  # e.g. lone surrogates the tokenizer cannot encode
-        raise APIError(400, f"the prompt could not be tokenized: {exc}", param="prompt") from None
+    except Exception as exc:  # noqa: BLE001 - the tokenizer's message names its internals: not for the client
+        logger.info("prompt not tokenized: %s", exc)
+        raise APIError(400, f"the prompt could not be tokenized ({type(exc).__name__})", param="prompt") from None
     if beam:
         return await serve_beam_search(serving, request, body, prompts, model, DEFAULT_COMPLETION_MAX_TOKENS)
     echo_on, score_only = echo_setting(body)
@@ -202,15 +204,48 @@ async def chat_completions(request: Request):
 async def serve_chat(request: Request, serving: OpenAIServing, body: dict, model: str, params: SamplingParams):
     """A chat body whose sampling parameters are read: render its messages (with its tools and template
     controls), then generate. Also what /v1/responses runs, on the chat body it translates to."""
-    check_message_chars(body.get("messages"), serving.limits, serving.max_model_len)
-    if body.get("tools"):  # counted even when tool_choice is "none": they are checked, if not shown
-        check_tool_chars(body.get("messages"), body.get("tools"), serving.limits, serving.max_model_len)
-    options = chat_template_options(body)
-    tools, params = _chat_tools(body, params)
-    messages = body.get("messages") if tools is not None else normalize_messages(body.get("messages"))
+    tools, messages, options = check_chat(serving, body)
+    params = tools_params(tools, params)
     prompt = await _render_chat(serving, messages, tools, options)
     return await serving.generate(request, body, [prompt], params, chat=True, model=model, id_prefix="chatcmpl",
                                   default_max_tokens=None, tools=tools)
+
+
+def check_chat(serving: OpenAIServing, body: dict):
+    """What the chat route and /tokenize check of a chat body before rendering it, in this order: its messages
+    and tools within the size limits, every string in them valid Unicode, each `tool` message with its
+    `tool_call_id` (OpenAI requires it), the template controls, the tools. Returns (the
+    `serve.tools.ToolRequest` or None, the messages to render, the template options).
+
+    Raises:
+        APIError(400) naming the field.
+    """
+    check_message_chars(body.get("messages"), serving.limits, serving.max_model_len)
+    if body.get("tools"):  # counted even when tool_choice is "none": they are checked, if not shown
+        check_tool_chars(body.get("messages"), body.get("tools"), serving.limits, serving.max_model_len)
+    check_utf8(body.get("messages"), "messages")
+    check_utf8(body.get("tools"), "tools")
+    check_tool_messages(body.get("messages"))
+    if body.get("chat_template") is not None:
+        raise APIError(400, "a request's own chat_template is not supported by minfer: the server renders with the "
+                            "model's template", param="chat_template")
+    options = chat_template_options(body)
+    from minfer.serve.tools import parse_tools
+
+    tools = parse_tools(body)
+    messages = body.get("messages") if tools is not None else normalize_messages(body.get("messages"))
+    return tools, messages, options
+
+
+def check_tool_messages(messages) -> None:
+    """APIError(400, param="messages") for a `tool` message without a string `tool_call_id` (OpenAI's API
+    requires it: it says which call the result answers)."""
+    for i, m in enumerate(messages if isinstance(messages, list) else []):
+        if isinstance(m, dict) and m.get("role") == "tool":
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise APIError(400, f"messages[{i}]: a tool message needs its tool_call_id (the id of the call it "
+                                    f"answers), got {echo(call_id)}", param=f"messages[{i}].tool_call_id")
 
 
 async def _chat_beam_search(request: Request, serving: OpenAIServing, body: dict, model: str):
@@ -223,12 +258,14 @@ async def _chat_beam_search(request: Request, serving: OpenAIServing, body: dict
     params = beam_search_params(body)[0]
     check_fan_out(1, params.beam_width, serving.limits)
     check_message_chars(body.get("messages"), serving.limits, serving.max_model_len)
+    check_utf8(body.get("messages"), "messages")
     messages = normalize_messages(body.get("messages"))
     prompt = await _render_chat(serving, messages, None, chat_template_options(body))
     return await serve_beam_search(serving, request, body, [prompt], model, serving.max_model_len, chat=True)
 
 
-async def _render_chat(serving: OpenAIServing, messages, tools, options: dict) -> list[int]:
+async def _render_chat(serving: OpenAIServing, messages, tools, options: dict,
+                       add_special_tokens: bool = False) -> list[int]:
     """The chat prompt's token ids: rendered with the template (and `tools`, a `serve.tools.ToolRequest`),
     its length checked (`limits.check_rendered_chars`), then tokenized; both steps off the event loop.
     `options`: the chat-template controls (`protocol.chat_template_options`).
@@ -252,26 +289,24 @@ async def _render_chat(serving: OpenAIServing, messages, tools, options: dict) -
                        param="messages") from None
     check_rendered_chars(text, serving.limits, serving.max_model_len, "tools" if tools is not None else "messages")
     try:
-        return await run_in_threadpool(lambda: tokenizer.encode(text, add_special_tokens=False))
-    except Exception as exc:  # noqa: BLE001 - e.g. lone surrogates
-        raise APIError(400, f"the prompt could not be tokenized: {exc}", param="messages") from None
+        return await run_in_threadpool(lambda: tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    except Exception as exc:  # noqa: BLE001 - the tokenizer's message names its internals: not for the client
+        logger.info("chat prompt not tokenized: %s", exc)
+        raise APIError(400, f"the prompt could not be tokenized ({type(exc).__name__})", param="messages") from None
 
 
-def _chat_tools(body: dict, params: SamplingParams):
-    """(the request's `serve.tools.ToolRequest` or None, `params` with the call's grammar for a "required" or
-    named tool_choice). APIError(400) for bad tools, or a forced call together with a response_format."""
-    from minfer.serve.tools import guided, parse_tools
+def tools_params(tools, params: SamplingParams) -> SamplingParams:
+    """`params` with the call's grammar for a "required" or named tool_choice of `tools` (a
+    `serve.tools.ToolRequest` or None). APIError(400) for a forced call together with a response_format."""
+    from minfer.serve.tools import guided
 
-    tools = parse_tools(body)
-    if tools is None:
-        return None, params
-    g = guided(tools)
+    g = guided(tools) if tools is not None else None
     if g is not None:
         if params.guided_decoding is not None:
             raise APIError(400, "tool_choice \"required\" or a named function already constrains the output; "
                                 "leave out response_format / guided_*", param="tool_choice")
         params = params.clone(guided_decoding=g)
-    return tools, params
+    return params
 
 
 @_get("/v1/stats")

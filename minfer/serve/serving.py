@@ -28,7 +28,7 @@ from minfer.serve.fallbacks import (
     timed_out_snapshots, truncate_prompt_tokens_setting, truncate_prompts)
 from minfer.serve.limits import ServerLimits
 from minfer.serve.protocol import (
-    SSE_DONE, APIError, StreamChunks, TokenText, completion_response, fit_max_tokens, sse)
+    SSE_DONE, APIError, StreamChunks, TokenText, check_stop_token_ids, completion_response, fit_max_tokens, sse)
 
 logger = logging.getLogger("minfer.serve")
 
@@ -57,6 +57,8 @@ class OpenAIServing:
         self.served_model_names = served_model_names
         self.model_id = served_model_names[0]
         self.max_model_len = int(engine.model_config.max_model_len)
+        self.vocab_size = (getattr(engine.model_config, "vocab_size", None)
+                           or getattr(engine.tokenizer, "vocab_size", None))  # None: not checked here
         self.tok_text = TokenText(engine.tokenizer)
         self.started = time.time()
         self.log_requests = log_requests
@@ -79,8 +81,11 @@ class OpenAIServing:
         arrival = time.perf_counter()
         keep = truncate_prompt_tokens_setting(body, self.max_model_len)
         timeout = request_timeout_setting(body, self.fallbacks)
+        check_stop_token_ids(params, self.vocab_size)
         if keep is not None and any(len(p) > keep for p in prompts):
             prompts = truncate_prompts(prompts, keep)
+            if self.engine_loop.metrics is not None:
+                self.engine_loop.metrics.count_fallback("truncate_prompt_tokens")
             if echo_prompts is not None:  # the echo is of what ran
                 echo_prompts = [self.engine.tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
         per_prompt = [fit_max_tokens(params, len(p), self.max_model_len, default_max_tokens) for p in prompts]
