@@ -414,6 +414,8 @@ class EngineArgs:
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise bad("generation_config", "'auto', 'vllm' or a directory holding a generation_config.json")
         self.override_generation_config = parse_override_generation_config(self.override_generation_config)
+        if self.generation_config not in ("auto", "vllm"):  # a directory: read now, not after the model loaded
+            diff_sampling_param(None, self.generation_config, self.override_generation_config)
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
             if self.world_size > 1 and self.speculative_config.method == "draft_model":
