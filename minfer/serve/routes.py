@@ -169,7 +169,8 @@ async def completions(request: Request):
     except Exception as exc:  # e.g. lone surrogates the tokenizer cannot encode
         raise APIError(400, f"the prompt could not be tokenized: {exc}", param="prompt") from None
     if beam:
-        return await serve_beam_search(serving, request, body, prompts, model, DEFAULT_COMPLETION_MAX_TOKENS)
+        return await serve_beam_search(serving, request, body, prompts, model,
+                                       serving.default_sampling_params.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS))
     echo_on, score_only = echo_setting(body)
     echo_prompts = None
     if echo_on:  # a prompt given as token ids is echoed as their text
@@ -215,8 +216,8 @@ async def serve_chat(request: Request, serving: OpenAIServing, body: dict, model
 
 
 async def _chat_beam_search(request: Request, serving: OpenAIServing, body: dict, model: str):
-    """`use_beam_search` on chat: the conversation rendered, then `serve.beam_search` (no default max_tokens:
-    up to max_model_len, as chat sampling)."""
+    """`use_beam_search` on chat: the conversation rendered, then `serve.beam_search` (an omitted max_tokens:
+    the server's generation-config default, else up to max_model_len, as chat sampling)."""
     if body.get("tools"):
         raise APIError(400, "tools are not supported with use_beam_search", param="tools")
     if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
@@ -226,7 +227,8 @@ async def _chat_beam_search(request: Request, serving: OpenAIServing, body: dict
     check_message_chars(body.get("messages"), serving.limits, serving.max_model_len)
     messages = normalize_messages(body.get("messages"))
     prompt = await _render_chat(serving, messages, None, chat_template_options(body))
-    return await serve_beam_search(serving, request, body, [prompt], model, serving.max_model_len, chat=True)
+    return await serve_beam_search(serving, request, body, [prompt], model,
+                                   serving.default_sampling_params.get("max_tokens", serving.max_model_len), chat=True)
 
 
 async def _render_chat(serving: OpenAIServing, messages, tools, options: dict) -> list[int]:
@@ -261,9 +263,9 @@ async def _render_chat(serving: OpenAIServing, messages, tools, options: dict) -
         if tool_text is not None and not tools.constrained:
             spent = await run_in_threadpool(lambda: len(tokenizer.encode(tool_text, add_special_tokens=False)))
             if spent > serving.tool_prompt_max_tokens:
-                logger.warning("tool_choice \"auto\" with %d tools: minfer's tool prompt would add %d tokens, over "
-                               "--tool-prompt-max-tokens %d; the tools are not shown to the model", len(tools.functions),
-                               spent, serving.tool_prompt_max_tokens)
+                logger.warning("tool_choice \"auto\" with %d tools: minfer's tool prompt would add %d tokens, "
+                               "over --tool-prompt-max-tokens %d; the tools are not shown to the model",
+                               len(tools.functions), spent, serving.tool_prompt_max_tokens)
                 text, _ = await run_in_threadpool(render, "template")
         return await run_in_threadpool(lambda: tokenizer.encode(text, add_special_tokens=False))
     except Exception as exc:  # noqa: BLE001 - e.g. lone surrogates

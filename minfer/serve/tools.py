@@ -22,12 +22,15 @@ minfer writes, `TOOL_PROMPT`, when `writes_tool_prompt` says so (the server's `-
 
 | tool_choice | `template` (the default, as vLLM) | `minfer` |
 | --- | --- | --- |
-| "auto" (or unset) | no tool prompt: the prompt is the request's without tools | minfer's tool prompt, unless its text is over `--tool-prompt-max-tokens` (default 1024): then none, and a warning is logged |
-| "required", a named function | minfer's tool prompt (the guided call needs the tools' descriptions) | the same |
+| "auto" (or unset) | none: the prompt is the request's without tools | minfer's, within a token budget (*) |
+| "required", a named function | minfer's (the guided call needs the tools' descriptions) | minfer's |
+
+(*) `--tool-prompt-max-tokens` (default `DEFAULT_TOOL_PROMPT_MAX_TOKENS`, 1,024): a tool prompt over it is
+left out, as under `template`, and a warning is logged (`routes._render_chat`).
 
 vLLM hands `tools` to the chat template and nothing else, so a template that ignores them leaves the prompt
-as it is without tools; Open WebUI attaches its 36 built-in tools to every chat without a tool_choice, which
-minfer's prompt turned into 6,601 prompt tokens instead of 35. A past assistant turn's `tool_calls` are
+as it is without tools. Open WebUI attaches its 36 built-in tools to every chat without a tool_choice:
+minfer's listing of them makes a 35-token chat 6,601 tokens. A past assistant turn's `tool_calls` are
 written as the JSON text of each call whenever the template does not render tools, whatever the mode.
 
 More than one call per answer (OpenAI's `parallel_tool_calls`, true by default): an output that is a JSON
