@@ -14,8 +14,8 @@ background tasks (titles, tags, follow-ups) without `max_tokens`. So:
   /v1/chat/completions, /v1/completions and /v1/responses, and `LLM.generate` without SamplingParams too.
 
 The server is the real two-process `python -m minfer.serve` on the GGUF, started with
-`--override-generation-config '{"max_new_tokens": 48}'`; the `--tool-prompt minfer` cases run in-process on
-the shared `llm` engine.
+`--override-generation-config '{"max_new_tokens": 48, "temperature": 0}'`; the `--tool-prompt minfer` cases
+run in-process on the shared `llm` engine.
 
     PYTHONPATH=$PWD python -m pytest -q tests/test_open_webui_shapes.py
 """
@@ -38,6 +38,7 @@ pytestmark = pytest.mark.timeout(600)
 
 MODEL = "smollm2-135m-instruct"
 MAX_NEW_TOKENS = 48
+OVERRIDE = {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0}  # the server's --override-generation-config
 TOOLS = json.loads((Path(__file__).parent / "data" / "open_webui_tools.json").read_text())
 # A UI chat as Open WebUI sends it: its system prompt, the user's message, every built-in tool, no tool_choice
 CHAT = {"model": MODEL, "stream": False, "messages": [
@@ -79,7 +80,7 @@ def server():
     from .serving import running_server
 
     with running_server(["--max-model-len", "2048", "--disable-log-requests", "--uvicorn-log-level", "warning",
-                         "--override-generation-config", json.dumps({"max_new_tokens": MAX_NEW_TOKENS})]) as url:
+                         "--override-generation-config", json.dumps(OVERRIDE)]) as url:
         yield url
 
 
@@ -138,6 +139,19 @@ def test_a_background_task_without_max_tokens_gets_the_servers_default(server):
     r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "Once upon a time", "ignore_eos": True,
                                           "max_tokens": 5})
     assert r["usage"]["completion_tokens"] == 5, r["usage"]
+
+
+@needs_default_model
+def test_an_omitted_temperature_is_the_servers_and_a_given_one_is_kept(server):
+    """The override's temperature 0: requests without one are greedy (the same text each time, the text of
+    an explicit temperature 0); one that sets temperature 1 samples (two seeds, two texts)."""
+    body = {**TITLE_TASK, "ignore_eos": True, "max_tokens": 24}
+    texts = [_post(server, "/v1/chat/completions", body)["choices"][0]["message"]["content"] for _ in range(2)]
+    greedy = _post(server, "/v1/chat/completions", {**body, "temperature": 0})["choices"][0]["message"]["content"]
+    assert texts == [greedy, greedy]
+    sampled = {_post(server, "/v1/chat/completions", {**body, "temperature": 1.0, "seed": seed})["choices"][0][
+        "message"]["content"] for seed in (1, 2)}
+    assert len(sampled) == 2 and greedy not in sampled
 
 
 @needs_default_model
