@@ -292,6 +292,13 @@ class EngineArgs:
             None or 1: one thread); changes only how fast the model loads.
         speculative_config: None, or vLLM's dict `{"method": "ngram" | "draft_model", "num_speculative_tokens":
             k, ...}` (a JSON string is accepted); parsed into `SpeculativeConfig` (chapter 7b).
+        generation_config: where the default sampling parameters come from, vLLM's values: "auto" (the
+            model's `generation_config.json`: in an HF directory, or beside a .gguf file; none there, no
+            defaults), "vllm" (none: SamplingParams' own), or a directory holding a `generation_config.json`.
+        override_generation_config: a dict (or JSON object string) of HF generation-config fields laid over
+            it: `max_new_tokens`, `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`.
+            `diff_sampling_param` turns both into the defaults of a request that omits a field (the server's)
+            and of `LLM.generate` without SamplingParams.
     """
 
     model: str = DEFAULT_MODEL
@@ -322,6 +329,8 @@ class EngineArgs:
     device: str | None = None
     speculative_config: dict | None = None  # vLLM's shape; see SpeculativeConfig (parsed in verify)
     max_parallel_loading_workers: int | None = None  # threads reading checkpoint tensors (load time only)
+    generation_config: str = "auto"  # "auto", "vllm" or a directory (see diff_sampling_param)
+    override_generation_config: dict | str | None = None  # HF generation fields over it; parsed in verify
 
     def __post_init__(self) -> None:
         self.verify()
@@ -402,6 +411,11 @@ class EngineArgs:
         if (self.attention_backend == "cpu" and self.kv_cache_dtype == "float16"):
             raise ValueError(f"attention_backend='cpu' reads a float32, bfloat16, int8 or fp8 KV pool; got kv_cache_dtype="
                              f"{self.kv_cache_dtype!r} (use attention_backend='auto' or 'torch' for it)")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise bad("generation_config", "'auto', 'vllm' or a directory holding a generation_config.json")
+        self.override_generation_config = parse_override_generation_config(self.override_generation_config)
+        if self.generation_config not in ("auto", "vllm"):  # a directory: read now, not after the model loaded
+            diff_sampling_param(None, self.generation_config, self.override_generation_config)
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
             if self.world_size > 1 and self.speculative_config.method == "draft_model":
@@ -437,6 +451,98 @@ class EngineArgs:
 
 
 PARALLEL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+# The HF generation-config fields that become default sampling parameters, as vLLM's
+# `ModelConfig.get_diff_sampling_param` takes them (`max_new_tokens` is vLLM's `max_tokens`), with the value
+# each has in transformers' `GenerationConfig()`: a generation_config.json field equal to it is not a
+# default of the model's (vLLM reads the file through `GenerationConfig.to_diff_dict`).
+GENERATION_CONFIG_FIELDS = {"repetition_penalty": 1.0, "temperature": 1.0, "top_k": 50, "top_p": 1.0,
+                            "min_p": None, "max_new_tokens": None}
+
+
+def parse_override_generation_config(value) -> dict:
+    """`override_generation_config` (a dict, a JSON object string or None) as a checked dict.
+
+    Raises:
+        ValueError: not a JSON object, a field outside `GENERATION_CONFIG_FIELDS` (vLLM would ignore it; here
+            nothing is silently ignored), or a value SamplingParams refuses (`max_new_tokens` < 1, ...).
+    """
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"override_generation_config is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"override_generation_config must be a JSON object, got {type(value).__name__}")
+    unknown = sorted(set(value) - set(GENERATION_CONFIG_FIELDS))
+    if unknown:
+        raise ValueError(f"override_generation_config has unknown field(s) {unknown}; known: "
+                         f"{sorted(GENERATION_CONFIG_FIELDS)}")
+    _check_sampling_defaults(sampling_defaults(value), "override_generation_config")
+    return dict(value)
+
+
+def sampling_defaults(config: dict) -> dict:
+    """HF generation-config fields -> SamplingParams keywords: the `GENERATION_CONFIG_FIELDS` that are set,
+    `max_new_tokens` renamed `max_tokens` (vLLM's mapping)."""
+    out = {k: v for k, v in config.items() if k in GENERATION_CONFIG_FIELDS and v is not None}
+    if "max_new_tokens" in out:
+        out["max_tokens"] = out.pop("max_new_tokens")
+    return out
+
+
+def _check_sampling_defaults(defaults: dict, where: str) -> None:
+    from minfer.sampling_params import SamplingParams
+
+    try:
+        SamplingParams(**defaults)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{where}: {str(e).replace('SamplingParams.', '').replace('max_tokens', 'max_new_tokens')}") \
+            from None
+
+
+def diff_sampling_param(model_dir, generation_config: str = "auto", override: dict | None = None) -> dict:
+    """The default sampling parameters of a model (vLLM's `ModelConfig.get_diff_sampling_param`): its
+    generation config's `GENERATION_CONFIG_FIELDS` that differ from transformers' defaults, `override` laid
+    over them, as SamplingParams keywords (`max_new_tokens` -> `max_tokens`). {} when none is set.
+
+    Args:
+        model_dir: the directory whose `generation_config.json` "auto" reads (an HF model's, or the one a
+            .gguf file is in); None: no file.
+        generation_config: "auto", "vllm" (no file: only `override`) or a directory holding the file.
+        override: `EngineArgs.override_generation_config` (parsed).
+
+    Raises:
+        ValueError: a given directory without generation_config.json, a file that is not a JSON object, or
+            defaults SamplingParams refuses (named with the file).
+    """
+    from pathlib import Path
+
+    if generation_config == "vllm":
+        path = None
+    elif generation_config == "auto":
+        path = Path(model_dir) / "generation_config.json" if model_dir is not None else None
+        path = path if path is not None and path.is_file() else None
+    else:
+        path = Path(generation_config).expanduser() / "generation_config.json"
+        if not path.is_file():
+            raise ValueError(f"generation_config={generation_config!r}: no {path.name} in that directory "
+                             "(give 'auto', 'vllm' or a directory holding one)")
+    config = {}
+    if path is not None:
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: not a readable JSON file ({e})") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"{path}: expected a JSON object, got {type(config).__name__}")
+        config = {k: v for k, v in config.items()
+                  if k in GENERATION_CONFIG_FIELDS and v != GENERATION_CONFIG_FIELDS[k]}
+        _check_sampling_defaults(sampling_defaults(config), str(path))
+    return sampling_defaults({**config, **(override or {})})
 
 
 def verify_parallel_config(cfg: "ModelConfig", tensor_parallel_size: int, pipeline_parallel_size: int) -> None:

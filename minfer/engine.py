@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minfer.config import EngineArgs, ModelConfig, default_max_num_batched_tokens
+from minfer.config import EngineArgs, ModelConfig, default_max_num_batched_tokens, diff_sampling_param
 from minfer.detokenizer import OutputProcessor
 from minfer.executor import make_executor
 from minfer.extensions import EngineExtension, build_extension
@@ -90,6 +90,9 @@ class LLMEngine:
         tok_source = resolve_model(args.tokenizer) if args.tokenizer else worker.source
         cache = gguf_cache_path(tok_source.path) / "tokenizer" if tok_source.kind == "gguf" else None
         self.tokenizer: Tokenizer = load_tokenizer(tok_source, worker.eos_token_ids, cache_dir=cache)
+        # vLLM's `default_sampling_params`: what a request (or `LLM.generate`) that omits a field gets
+        self.default_sampling_params = diff_sampling_param(worker.source.directory, args.generation_config,
+                                                           args.override_generation_config)
         max_len = args.max_model_len or cfg.max_position_embeddings
         self.model_config = ModelConfigView(max_model_len=max_len, dtype=worker.dtype, config=cfg)
         self.max_model_len = max_len

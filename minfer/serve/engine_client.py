@@ -67,6 +67,7 @@ class EngineView:
         self.model_config = info["model_config"]
         self.tokenizer = info["tokenizer"]
         self._kv_pool_info = info["kv_pool_info"]
+        self.default_sampling_params = dict(info.get("default_sampling_params") or {})
 
     def kv_pool_info(self) -> dict:
         return dict(self._kv_pool_info)

@@ -379,7 +379,8 @@ def core_main(engine_args, input_addr: str, output_addr: str) -> None:
     """The engine-core process: build the engine, say "ready" (or why not), then serve commands forever.
 
     The "ready" info is a pickled dict: `model_name`, `model_config` (`ModelConfigView`), `tokenizer` (the
-    API process tokenizes and renders chat templates with it), `kv_pool_info`, `pid`; or `{"error": str}`
+    API process tokenizes and renders chat templates with it), `kv_pool_info`, `pid`, `default_sampling_params`
+    (the generation-config defaults, `minfer.config.diff_sampling_param`); or `{"error": str}`
     when the engine could not be built (the client raises it as a RuntimeError/ValueError).
     """
     import msgpack
@@ -411,7 +412,7 @@ def core_main(engine_args, input_addr: str, output_addr: str) -> None:
         return
     info = dict(model_name=getattr(engine, "model_name", None), model_config=engine.model_config,
                 tokenizer=engine.tokenizer, kv_pool_info=dict(engine.kv_pool_info()), pid=os.getpid(),
-                stats=stats_dict(engine.stats()))
+                stats=stats_dict(engine.stats()), default_sampling_params=engine.default_sampling_params)
     out.send(pack(["ready", pickle.dumps(info)]))
     # The loop runs in this thread, the one that built the engine, so that the process has one OpenMP team.
     # libgomp keeps a pool of workers per thread that starts parallel regions; with the model loaded here and

@@ -307,14 +307,17 @@ def _check_stream_fields(body: dict) -> None:
         _get_bool(options, "include_usage", False, param="stream_options")
 
 
-def sampling_params(body: dict, *, chat: bool) -> SamplingParams:
+def sampling_params(body: dict, *, chat: bool, defaults: dict | None = None) -> SamplingParams:
     """The body's sampling fields as `SamplingParams`; APIError(400) naming the field if one is invalid.
 
     The two endpoints differ in two fields: chat takes `max_completion_tokens` (or the older `max_tokens`)
     and `logprobs: bool` + `top_logprobs`; completions take `max_tokens` and `logprobs: int`. An omitted
-    `max_tokens` stays None here: its default depends on the prompt's length (`fit_max_tokens`).
+    `max_tokens` stays None here: its default depends on the prompt's length (`fit_max_tokens`). `defaults`:
+    the server's values for omitted `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty` (vLLM's
+    `default_sampling_params`, `minfer.config.diff_sampling_param`); a field the body sets keeps its value.
     """
     _reject_unsupported(body, chat)
+    d = defaults or {}
     extra = {}
     if chat:
         max_tokens = _get(body, "max_completion_tokens", _get(body, "max_tokens"))
@@ -336,10 +339,10 @@ def sampling_params(body: dict, *, chat: bool) -> SamplingParams:
     try:
         return SamplingParams(
             n=_get(body, "n", 1),
-            temperature=_get(body, "temperature", 1.0),
-            top_p=_get(body, "top_p", 1.0),
-            top_k=_get(body, "top_k", -1),
-            min_p=_get(body, "min_p", 0.0),
+            temperature=_get(body, "temperature", d.get("temperature", 1.0)),
+            top_p=_get(body, "top_p", d.get("top_p", 1.0)),
+            top_k=_get(body, "top_k", d.get("top_k", -1)),
+            min_p=_get(body, "min_p", d.get("min_p", 0.0)),
             seed=_get(body, "seed"),
             max_tokens=max_tokens,
             stop=_get(body, "stop"),
@@ -350,7 +353,7 @@ def sampling_params(body: dict, *, chat: bool) -> SamplingParams:
             skip_special_tokens=_get_bool(body, "skip_special_tokens", True),
             presence_penalty=_get(body, "presence_penalty", 0.0),
             frequency_penalty=_get(body, "frequency_penalty", 0.0),
-            repetition_penalty=_get(body, "repetition_penalty", 1.0),
+            repetition_penalty=_get(body, "repetition_penalty", d.get("repetition_penalty", 1.0)),
             min_tokens=_get(body, "min_tokens", 0),
             logit_bias=_get(body, "logit_bias"),
             **extra,

@@ -501,7 +501,7 @@ async def create_response(request: Request):
     if body.get("n") not in (None, 1):
         raise APIError(400, "the Responses API returns one output: n must be 1", param="n")
     chat = chat_body(body, history)
-    params = sampling_params(chat, chat=True)
+    params = sampling_params(chat, chat=True, defaults=serving.default_sampling_params)
     shell = Shell(body, model)
     instructions = 1 if body.get("instructions") else 0
     turn = chat["messages"][instructions:]

@@ -129,7 +129,8 @@ def _large(body: dict) -> bool:
 async def _parse(request: Request, *, chat: bool) -> tuple[OpenAIServing, dict, str, SamplingParams]:
     """`_read`, then the sampling parameters."""
     serving, body, model = await _read(request)
-    return serving, body, model, await _off_loop(body, sampling_params, body, chat=chat)
+    return serving, body, model, await _off_loop(body, sampling_params, body, chat=chat,
+                                                 defaults=serving.default_sampling_params)
 
 
 @router.post("/v1/completions")
@@ -138,7 +139,7 @@ async def completions(request: Request):
     beam = beam_search_requested(body)
     # Beam search reads its own fields (`serve.beam_search`); sampling's parser would refuse best_of != n.
     params = (await _off_loop(body, beam_search_params, body))[0] if beam else await _off_loop(
-        body, sampling_params, body, chat=False)
+        body, sampling_params, body, chat=False, defaults=serving.default_sampling_params)
     prompts = parse_prompts(body)
     width = params.beam_width if beam else params.n
     check_fan_out(len(prompts), width, serving.limits)  # before tokenizing: these cost nothing yet
@@ -170,7 +171,8 @@ async def completions(request: Request):
         logger.info("prompt not tokenized: %s", exc)
         raise APIError(400, f"the prompt could not be tokenized ({type(exc).__name__})", param="prompt") from None
     if beam:
-        return await serve_beam_search(serving, request, body, prompts, model, DEFAULT_COMPLETION_MAX_TOKENS)
+        return await serve_beam_search(serving, request, body, prompts, model,
+                                       serving.default_sampling_params.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS))
     echo_on, score_only = echo_setting(body)
     echo_prompts = None
     if echo_on:  # a prompt given as token ids is echoed as their text
@@ -196,7 +198,7 @@ async def chat_completions(request: Request):
     serving, body, model = await _read(request)
     if beam_search_requested(body):
         return await _chat_beam_search(request, serving, body, model)
-    params = await _off_loop(body, sampling_params, body, chat=True)
+    params = await _off_loop(body, sampling_params, body, chat=True, defaults=serving.default_sampling_params)
     check_fan_out(1, params.n, serving.limits)
     return await serve_chat(request, serving, body, model, params)
 
@@ -249,8 +251,8 @@ def check_tool_messages(messages) -> None:
 
 
 async def _chat_beam_search(request: Request, serving: OpenAIServing, body: dict, model: str):
-    """`use_beam_search` on chat: the conversation rendered, then `serve.beam_search` (no default max_tokens:
-    up to max_model_len, as chat sampling)."""
+    """`use_beam_search` on chat: the conversation rendered, then `serve.beam_search` (an omitted max_tokens:
+    the server's generation-config default, else up to max_model_len, as chat sampling)."""
     if body.get("tools"):
         raise APIError(400, "tools are not supported with use_beam_search", param="tools")
     if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
@@ -261,34 +263,47 @@ async def _chat_beam_search(request: Request, serving: OpenAIServing, body: dict
     check_utf8(body.get("messages"), "messages")
     messages = normalize_messages(body.get("messages"))
     prompt = await _render_chat(serving, messages, None, chat_template_options(body))
-    return await serve_beam_search(serving, request, body, [prompt], model, serving.max_model_len, chat=True)
+    return await serve_beam_search(serving, request, body, [prompt], model,
+                                   serving.default_sampling_params.get("max_tokens", serving.max_model_len), chat=True)
 
 
 async def _render_chat(serving: OpenAIServing, messages, tools, options: dict,
                        add_special_tokens: bool = False) -> list[int]:
-    """The chat prompt's token ids: rendered with the template (and `tools`, a `serve.tools.ToolRequest`),
-    its length checked (`limits.check_rendered_chars`), then tokenized; both steps off the event loop.
-    `options`: the chat-template controls (`protocol.chat_template_options`).
+    """The chat prompt's token ids: rendered with the template (and `tools`, a `serve.tools.ToolRequest`,
+    shown as the server's `tool_prompt` mode says: `serve.tools.render_text`), its length checked
+    (`limits.check_rendered_chars`), then tokenized; all off the event loop. `options`: the chat-template
+    controls (`protocol.chat_template_options`).
+
+    Under `--tool-prompt minfer`, an "auto" request whose tool prompt is over `serving.tool_prompt_max_tokens`
+    tokens is rendered as under `template` (no tool prompt), with a warning in the log: a chat that tools
+    ride along with (Open WebUI's 36) is served at the size of its messages rather than refused.
 
     Token ids, not text: the template already holds any BOS, and the engine would add another when it
     tokenized a string.
     """
     tokenizer = serving.engine.tokenizer
 
-    def render() -> str:
+    def render(mode: str) -> tuple[str, str | None]:
         if tools is not None:
             from minfer.serve.tools import render_text
 
-            return render_text(tokenizer, messages, tools, options)
-        return tokenizer.apply_chat_template(messages, **options)
+            return render_text(tokenizer, messages, tools, options, mode)
+        return tokenizer.apply_chat_template(messages, **options), None
 
     try:
-        text = await run_in_threadpool(render)
+        text, tool_text = await run_in_threadpool(render, serving.tool_prompt)
     except (ValueError, TypeError, KeyError) as exc:
         raise APIError(400, f"messages could not be rendered with the chat template: {exc}",
                        param="messages") from None
     check_rendered_chars(text, serving.limits, serving.max_model_len, "tools" if tools is not None else "messages")
     try:
+        if tool_text is not None and not tools.constrained:
+            spent = await run_in_threadpool(lambda: len(tokenizer.encode(tool_text, add_special_tokens=False)))
+            if spent > serving.tool_prompt_max_tokens:
+                logger.warning("tool_choice \"auto\" with %d tools: minfer's tool prompt would add %d tokens, "
+                               "over --tool-prompt-max-tokens %d; the tools are not shown to the model",
+                               len(tools.functions), spent, serving.tool_prompt_max_tokens)
+                text, _ = await run_in_threadpool(render, "template")
         return await run_in_threadpool(lambda: tokenizer.encode(text, add_special_tokens=add_special_tokens))
     except Exception as exc:  # noqa: BLE001 - the tokenizer's message names its internals: not for the client
         logger.info("chat prompt not tokenized: %s", exc)
@@ -440,7 +455,8 @@ async def _lifespan(app: FastAPI):
 
 def build_app(engine, served_model_names: list[str] | str | None = None, api_key: str | None = None,
               log_requests: bool = True, engine_loop: EngineLoop | None = None, limits: ServerLimits | None = None,
-              enable_docs: bool = False, fallbacks: FallbackConfig | None = None) -> FastAPI:
+              enable_docs: bool = False, fallbacks: FallbackConfig | None = None, tool_prompt: str = "template",
+              tool_prompt_max_tokens: int | None = None) -> FastAPI:
     """A FastAPI app serving `engine` with OpenAI's API.
 
     Args:
@@ -457,6 +473,11 @@ def build_app(engine, served_model_names: list[str] | str | None = None, api_key
             (`connection.uvicorn_options`).
         enable_docs: serve the OpenAPI schema at /openapi.json (behind the key, if one is set).
         fallbacks: load shedding, time limit, KV-pressure cap (`fallbacks.FallbackConfig`; default: all off).
+        tool_prompt: when minfer writes its own tool prompt for a template that ignores tools: "template"
+            (only for a forced tool_choice, as vLLM shows "auto" tools to the template alone) or "minfer" (for
+            "auto" too, within `tool_prompt_max_tokens`; default `serve.tools.DEFAULT_TOOL_PROMPT_MAX_TOKENS`).
+            The model's generation-config defaults come from `engine.default_sampling_params`
+            (`minfer.config.diff_sampling_param`).
 
     Returns:
         the app; its engine loop starts with the app (lifespan) or on the first request.
@@ -475,7 +496,8 @@ def build_app(engine, served_model_names: list[str] | str | None = None, api_key
     app.state.metrics = engine_loop.metrics or ServerMetrics(names[0])
     app.state.served_model_names = names
     app.state.page = page_with_headers((STATIC_DIR / "index.html").read_text(encoding="utf-8"))
-    app.state.serving = OpenAIServing(engine, engine_loop, names, log_requests, limits, fallbacks)
+    app.state.serving = OpenAIServing(engine, engine_loop, names, log_requests, limits, fallbacks,
+                                      tool_prompt=tool_prompt, tool_prompt_max_tokens=tool_prompt_max_tokens)
     app.state.metrics.set_cache_config(cache_config_labels(engine_loop, engine))
     if api_key:
         app.add_middleware(_AuthMiddleware, api_key=api_key, metrics=app.state.metrics)

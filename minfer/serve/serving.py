@@ -47,10 +47,31 @@ class OpenAIServing:
         log_requests: log each request's id, prompt count and sampling parameters.
         limits: what one request may ask (`limits.ServerLimits`, its `max_prompt_chars` resolved).
         fallbacks: load shedding, time limit and the KV-pressure cap (`fallbacks.FallbackConfig`; default: off).
+        tool_prompt, tool_prompt_max_tokens: when minfer writes its own tool prompt (`serve.tools`,
+            `--tool-prompt`, `--tool-prompt-max-tokens`; default "template" and
+            `tools.DEFAULT_TOOL_PROMPT_MAX_TOKENS`).
+
+    `default_sampling_params` (vLLM's name) is the engine's: the generation-config values an omitted field
+    gets (`minfer.config.diff_sampling_param`), `max_tokens` among them.
+
+    Raises:
+        ValueError: an unknown tool_prompt mode, a tool_prompt_max_tokens below 1.
     """
 
     def __init__(self, engine, engine_loop: EngineLoop, served_model_names: list[str], log_requests: bool,
-                 limits: ServerLimits, fallbacks: FallbackConfig | None = None):
+                 limits: ServerLimits, fallbacks: FallbackConfig | None = None, tool_prompt: str = "template",
+                 tool_prompt_max_tokens: int | None = None):
+        from minfer.serve.tools import DEFAULT_TOOL_PROMPT_MAX_TOKENS, TOOL_PROMPT_MODES
+
+        if tool_prompt not in TOOL_PROMPT_MODES:
+            raise ValueError(f"tool_prompt must be one of {', '.join(TOOL_PROMPT_MODES)}, got {tool_prompt!r}")
+        if tool_prompt_max_tokens is None:
+            tool_prompt_max_tokens = DEFAULT_TOOL_PROMPT_MAX_TOKENS
+        if not isinstance(tool_prompt_max_tokens, int) or isinstance(tool_prompt_max_tokens, bool) \
+                or tool_prompt_max_tokens < 1:
+            raise ValueError(f"tool_prompt_max_tokens must be an integer >= 1, got {tool_prompt_max_tokens!r}")
+        self.tool_prompt, self.tool_prompt_max_tokens = tool_prompt, tool_prompt_max_tokens
+        self.default_sampling_params = dict(getattr(engine, "default_sampling_params", None) or {})
         self.engine = engine
         self.limits = limits
         self.engine_loop = engine_loop
@@ -70,8 +91,10 @@ class OpenAIServing:
                        echo_prompts: list[str] | None = None, score_only: bool = False, tools=None):
         """Run `prompts` (token ids); answer a dict (JSON), an SSE stream, or 499 if the client left.
 
-        `default_max_tokens` is the endpoint's default for an omitted max_tokens (None: up to max_model_len);
-        each prompt gets it capped to what is left after it (`protocol.fit_max_tokens`). `echo_prompts` and
+        `default_max_tokens` is the endpoint's default for an omitted max_tokens (None: up to max_model_len),
+        unless the server has one (`default_sampling_params["max_tokens"]`, from the generation config's
+        `max_new_tokens`), which replaces it; each prompt gets it capped to what is left after it
+        (`protocol.fit_max_tokens`). `echo_prompts` and
         `score_only`: completions' echo (`protocol.completion_response`). `tools`: chat's `serve.tools.ToolRequest`
         (its calls are parsed out of the text into `tool_calls`). The fallbacks (`fallbacks.py`) apply
         here, in this order: `truncate_prompt_tokens`, the waiting-requests limit (503), the KV-pressure cap,
@@ -88,6 +111,7 @@ class OpenAIServing:
                 self.engine_loop.metrics.count_fallback("truncate_prompt_tokens")
             if echo_prompts is not None:  # the echo is of what ran
                 echo_prompts = [self.engine.tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
+        default_max_tokens = self.default_sampling_params.get("max_tokens", default_max_tokens)
         per_prompt = [fit_max_tokens(params, len(p), self.max_model_len, default_max_tokens) for p in prompts]
         per_prompt, fallback = cap_under_kv_pressure(
             per_prompt, self.engine_loop.latest_stats.get("kv_cache_usage"), self.fallbacks)

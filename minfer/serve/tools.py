@@ -16,9 +16,22 @@ the answer.
   the JSON of one call of any tool / of that tool (its `parameters` schema for the arguments), so the answer
   is always a valid call (`minfer.structured_output`).
 
-A chat template that renders `tools` (Qwen's, Llama 3.1's, Hermes') is given them; one that ignores them
+A chat template that renders `tools` (Qwen's, Llama 3.1's, Hermes') is given them. One that ignores them
 (SmolLM2-135M-Instruct's: the render is the same with and without) gets them in a system message that
-minfer writes, `TOOL_PROMPT`.
+minfer writes, `TOOL_PROMPT`, when `writes_tool_prompt` says so (the server's `--tool-prompt`):
+
+| tool_choice | `template` (the default, as vLLM) | `minfer` |
+| --- | --- | --- |
+| "auto" (or unset) | none: the prompt is the request's without tools | minfer's, within a token budget (*) |
+| "required", a named function | minfer's (the guided call needs the tools' descriptions) | minfer's |
+
+(*) `--tool-prompt-max-tokens` (default `DEFAULT_TOOL_PROMPT_MAX_TOKENS`, 1,024): a tool prompt over it is
+left out, as under `template`, and a warning is logged (`routes._render_chat`).
+
+vLLM hands `tools` to the chat template and nothing else, so a template that ignores them leaves the prompt
+as it is without tools. Open WebUI attaches its 36 built-in tools to every chat without a tool_choice:
+minfer's listing of them makes a 35-token chat 6,601 tokens. A past assistant turn's `tool_calls` are
+written as the JSON text of each call whenever the template does not render tools, whatever the mode.
 
 More than one call per answer (OpenAI's `parallel_tool_calls`, true by default): an output that is a JSON
 array of calls, several `<tool_call>` blocks, or one call object per line becomes several `tool_calls`, in
@@ -50,6 +63,11 @@ TOOL_PROMPT = ("You can call functions. To call one, reply with only a JSON obje
                "{{\"name\": <function name>, \"arguments\": {{<its arguments>}}}} and nothing else.{auto}{parallel}\n"
                "Functions:\n{functions}")
 MAX_TOOLS = 128  # OpenAI's limit
+TOOL_PROMPT_MODES = ("template", "minfer")  # --tool-prompt: see the module docstring
+# --tool-prompt-max-tokens: the most tokens minfer's tool prompt may add to an "auto" request under
+# `--tool-prompt minfer`. 1,024 tokens is about a dozen tools with short schemas (Open WebUI's 36 built-in
+# tools are 6,566), and about 1.5 s of prefill on 2 CPU cores for SmolLM2-135M (chapter 9b).
+DEFAULT_TOOL_PROMPT_MAX_TOKENS = 1024
 
 
 @dataclass
@@ -338,39 +356,60 @@ def _messages(raw: list, native: bool) -> list[dict]:
     return out
 
 
-def render_prompt(tokenizer, raw_messages, req: ToolRequest, options: dict | None = None) -> list[int]:
-    """The prompt's token ids, with the tools shown to the model (`render_text`, then tokenized).
+def writes_tool_prompt(req: ToolRequest, native: bool, mode: str = "template") -> bool:
+    """Whether minfer writes its own tool prompt (`TOOL_PROMPT`) for `req`: never when the template renders
+    tools (`native`); for a forced tool_choice always; for "auto" only under `mode` "minfer" (the module
+    docstring's table; the token budget of that mode is the caller's, `routes._render_chat`).
 
     Raises:
-        ValueError: messages the template cannot render.
+        ValueError: a mode not in `TOOL_PROMPT_MODES`.
     """
-    return tokenizer.encode(render_text(tokenizer, raw_messages, req, options), add_special_tokens=False)
+    if mode not in TOOL_PROMPT_MODES:
+        raise ValueError(f"tool prompt mode must be one of {', '.join(TOOL_PROMPT_MODES)}, got {mode!r}")
+    return not native and (req.constrained or mode == "minfer")
 
 
-def render_text(tokenizer, raw_messages, req: ToolRequest, options: dict | None = None) -> str:
-    """The prompt's text, with the tools shown to the model (see the module docstring); the server checks its
-    length before tokenizing it (`limits.check_rendered_chars`). `options`: the chat-template controls
-    (`protocol.chat_template_options`).
+def tool_prompt_text(req: ToolRequest) -> str:
+    """minfer's system text listing `req`'s functions (`TOOL_PROMPT`), for a template that ignores tools."""
+    listing = "\n".join(json.dumps(f, ensure_ascii=False) for f in req.functions.values())
+    auto = " If no function fits, answer in plain text." if req.choice == "auto" else ""
+    parallel = " To call several, reply with a JSON array of such objects." if req.parallel_explicit else ""
+    return TOOL_PROMPT.format(auto=auto, parallel=parallel, functions=listing)
+
+
+def render_prompt(tokenizer, raw_messages, req: ToolRequest, options: dict | None = None,
+                  mode: str = "template") -> list[int]:
+    """The prompt's token ids (`render_text`, then tokenized).
 
     Raises:
-        ValueError: messages the template cannot render.
+        ValueError: messages the template cannot render, an unknown `mode`.
+    """
+    return tokenizer.encode(render_text(tokenizer, raw_messages, req, options, mode)[0], add_special_tokens=False)
+
+
+def render_text(tokenizer, raw_messages, req: ToolRequest, options: dict | None = None,
+                mode: str = "template") -> tuple[str, str | None]:
+    """(the prompt's text, minfer's tool prompt in it or None): the tools go to a template that renders them,
+    or into minfer's system message where `writes_tool_prompt(req, ..., mode)` says so (see the module
+    docstring). The server checks the text's length before tokenizing it (`limits.check_rendered_chars`).
+    `options`: the chat-template controls (`protocol.chat_template_options`).
+
+    Raises:
+        ValueError: messages the template cannot render, an unknown `mode`.
     """
     options = options or {}
     native = template_renders_tools(tokenizer.hf)
     msgs = _messages(raw_messages, native)
     if native:
-        text = tokenizer.apply_chat_template(msgs, tools=req.tools, normalize=False, **options)
+        return tokenizer.apply_chat_template(msgs, tools=req.tools, normalize=False, **options), None
+    if not writes_tool_prompt(req, native, mode):
+        return tokenizer.apply_chat_template(msgs, **options), None
+    system = tool_prompt_text(req)
+    if msgs and msgs[0]["role"] == "system":
+        msgs = [{"role": "system", "content": msgs[0]["content"] + "\n\n" + system}] + msgs[1:]
     else:
-        listing = "\n".join(json.dumps(f, ensure_ascii=False) for f in req.functions.values())
-        auto = " If no function fits, answer in plain text." if req.choice == "auto" else ""
-        parallel = " To call several, reply with a JSON array of such objects." if req.parallel_explicit else ""
-        system = TOOL_PROMPT.format(auto=auto, parallel=parallel, functions=listing)
-        if msgs and msgs[0]["role"] == "system":
-            msgs = [{"role": "system", "content": msgs[0]["content"] + "\n\n" + system}] + msgs[1:]
-        else:
-            msgs = [{"role": "system", "content": system}] + msgs
-        text = tokenizer.apply_chat_template(msgs, **options)
-    return text
+        msgs = [{"role": "system", "content": system}] + msgs
+    return tokenizer.apply_chat_template(msgs, **options), system
 
 
 # -- the answer ---------------------------------------------------------------------------------------------
