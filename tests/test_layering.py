@@ -298,7 +298,8 @@ def test_lower_layers_load_no_model_module(module):
 # outside, through the seams (`SEAM`: the platform, the engine extensions, the KV cache's plan), so no core
 # module imports a feature wing; tests/test_core_path.py checks that their code names none either.
 CORE = {"minfer.llm", "minfer.engine", "minfer.scheduler", "minfer.block_manager", "minfer.prefix_cache",
-        "minfer.sequence", "minfer.sampling_params", "minfer.sampling", "minfer.worker", "minfer.kv_cache",
+        "minfer.sequence", "minfer.sampling_params", "minfer.sampling", "minfer.worker", "minfer.model_runner",
+        "minfer.kv_cache",
         "minfer.tokenizer", "minfer.detokenizer", "minfer.attention.base", "minfer.model.llama",
         "minfer.model.layers", "minfer.model.positions"}
 FEATURE_WINGS = ("minfer.spec_decode", "minfer.structured_output", "minfer.step_hooks", "minfer.beam_search",
