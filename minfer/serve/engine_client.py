@@ -350,6 +350,7 @@ class MPEngineClient:
                         self._on_message(msg)
                     continue  # read what the engine sent before its exit, if it exited: its last outputs
                 if self._proc.sentinel in ready or not self._proc.is_alive():
+                    self._proc.join(1)  # reap it: its exit code goes into the 503s and /health
                     self._on_death()
                     return
                 if self._check_stall():
