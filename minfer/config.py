@@ -596,9 +596,41 @@ def _is_real(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+# RoPE rotates pair i of a head by position * base^(-2i/d): a base <= 1 gives frequencies that do not fall
+# with i (all 1 at base 1, growing below), and a NaN or inf base turns every angle into NaN.
+ROPE_BASE_WHY = " (RoPE's base: its powers base^(-2i/d) must fall from 1 as i grows)"
+
+
+def check_finite_numbers(d, source: str = "config.json", max_items: int = 1_000_000) -> None:
+    """Refuse a NaN or an infinity anywhere in a parsed config (dicts and lists walked without recursion).
+
+    JSON has neither (RFC 8259), but Python's parser reads `NaN`, `Infinity` and `1e999` as floats, and a field
+    the architecture's adapter does not read, or reads only when another is absent (a top-level `rope_theta`
+    beside `rope_parameters`), would otherwise load silently.
+
+    Raises:
+        ValueError: "<source>: <dotted path> = nan: must be a finite number (JSON has no NaN or Infinity)".
+    """
+    stack = [("", d)]
+    seen = 0
+    while stack:
+        path, v = stack.pop()
+        seen += 1
+        if seen > max_items:
+            return  # a config this large is refused elsewhere, or is a huge list of ordinary values
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"{source}: {path or 'value'} = {v!r}: must be a finite number (JSON has no NaN or "
+                             "Infinity)")
+        if isinstance(v, dict):
+            stack.extend((f"{path}.{k}" if path else str(k), x) for k, x in v.items())
+        elif isinstance(v, list):
+            stack.extend((f"{path}[{i}]", x) for i, x in enumerate(v))
+
+
 def check_model_config(cfg: "ModelConfig") -> None:
-    """Every size of `cfg` a positive integer within `MODEL_SIZE_BOUNDS`, every float finite (and positive where
-    it divides or is a base), Q heads a multiple of KV heads. No tensor is needed: this runs in microseconds.
+    """Every size of `cfg` a positive integer within `MODEL_SIZE_BOUNDS`, every float finite and in its range
+    (`rms_norm_eps` in (0, 1), a RoPE base > 1, scales and rope_scaling factors > 0, `partial_rotary_factor` in
+    (0, 1]), Q heads a multiple of KV heads. No tensor is needed: this runs in microseconds.
 
     Raises:
         ValueError: "<field> = <value>: must be <bound>", for the first field that breaks its rule.
@@ -611,19 +643,30 @@ def check_model_config(cfg: "ModelConfig") -> None:
     if cfg.num_attention_heads % cfg.num_key_value_heads:
         raise ValueError(f"num_attention_heads = {cfg.num_attention_heads} must be a multiple of "
                          f"num_key_value_heads = {cfg.num_key_value_heads} (each KV head serves a group of Q heads)")
-    # finite and > 0: eps is added under a square root, theta is a base raised to powers, the scalar divides
-    positive = {"rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta}
+    # name: (value, low, high, why): the value must be finite, > low, and below high (None: no upper bound;
+    # a float: < high; an inclusive bound is written as a one-item tuple)
+    ranges = {
+        "rms_norm_eps": (cfg.rms_norm_eps, 0.0, 1.0, " (added to the mean square under the square root; models use "
+                         "1e-12 to 1e-5)"),
+        "rope_theta": (cfg.rope_theta, 1.0, None, ROPE_BASE_WHY),
+    }
     if cfg.rope_local_theta is not None:
-        positive["rope_local_theta"] = cfg.rope_local_theta
+        ranges["rope_local_theta"] = (cfg.rope_local_theta, 1.0, None, ROPE_BASE_WHY)
     if cfg.query_pre_attn_scalar is not None:
-        positive["query_pre_attn_scalar"] = cfg.query_pre_attn_scalar
+        ranges["query_pre_attn_scalar"] = (cfg.query_pre_attn_scalar, 0.0, None, " (the softmax scale divides by it)")
     for key, v in (cfg.rope_scaling or {}).items():
         if key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
-                   "attention_factor", "beta_fast", "beta_slow", "partial_rotary_factor") and v is not None:
-            positive[f"rope_scaling.{key}"] = v
-    for name, v in positive.items():
-        if not _is_real(v) or not math.isfinite(v) or v <= 0:
-            raise ValueError(f"{name} = {v!r}: must be a finite number > 0")
+                   "attention_factor", "beta_fast", "beta_slow") and v is not None:
+            ranges[f"rope_scaling.{key}"] = (v, 0.0, None, "")
+        elif key == "partial_rotary_factor" and v is not None:
+            ranges[f"rope_scaling.{key}"] = (v, 0.0, (1.0,), " (the share of head_dim that is rotated)")
+    for name, (v, low, high, why) in ranges.items():
+        inclusive = isinstance(high, tuple)
+        top = high[0] if inclusive else high
+        if (not _is_real(v) or not math.isfinite(v) or v <= low
+                or (top is not None and (v > top if inclusive else v >= top))):
+            bound = f"> {low:g}" + ("" if top is None else f" and {'<=' if inclusive else '<'} {top:g}")
+            raise ValueError(f"{name} = {v!r}: must be a finite number {bound}{why}")
     for name in ("mscale", "mscale_all_dim"):
         v = (cfg.rope_scaling or {}).get(name)
         if v is not None and (not _is_real(v) or not math.isfinite(v)):

@@ -208,9 +208,18 @@ def _refused_fast(path, match: str, **load_kwargs):
     ({"hidden_size": 0}, r"hidden_size must be a positive integer, got 0"),
     ({"num_key_value_heads": 3}, r"num_attention_heads = 4 must be a multiple of num_key_value_heads = 3"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": float("nan")}},
-     r"rope_theta = nan: must be a finite number > 0"),
+     r"rope_theta = nan: must be a finite number > 1 \(RoPE's base"),
     ({"rope_parameters": None, "rope_theta": float("inf")}, r"rope_theta = inf: must be a finite"),
-    ({"rms_norm_eps": -1}, r"rms_norm_eps = -1: must be a finite number > 0"),
+    ({"rope_parameters": None, "rope_theta": 0.5}, r"rope_theta = 0.5: must be a finite number > 1"),
+    ({"rms_norm_eps": -1}, r"rms_norm_eps = -1: must be a finite number > 0 and < 1"),
+    ({"rms_norm_eps": float("nan")}, r"rms_norm_eps = nan: must be a finite number > 0 and < 1"),
+    ({"rms_norm_eps": 10.0}, r"rms_norm_eps = 10.0: must be a finite number > 0 and < 1"),
+    # a NaN the adapter does not read (rope_parameters' base wins over the top-level one) is refused too
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "rope_theta": float("nan")},
+     r"config.json: rope_theta = nan: must be a finite number \(JSON has no NaN or Infinity\)"),
+    ({"initializer_range": float("inf")}, r"config.json: initializer_range = inf: must be a finite number"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": float("nan"), "rope_theta": 10000.0}},
+     r"rope_scaling.factor = nan: must be a finite number > 0"),
     ({"rope_parameters": {"rope_type": "linear", "factor": 0, "rope_theta": 10000.0}},
      r"rope_scaling.factor = 0: must be a finite number > 0"),
     # within every bound, but 2 M x 65,536 x 4 bytes of embedding is more memory than any machine here has
@@ -251,10 +260,15 @@ def test_model_config_checks_do_not_need_a_file():
     for name, bound in MODEL_SIZE_BOUNDS.items():
         with pytest.raises(ValueError, match=rf"{name} = {bound + 1}: must be an integer in \[1, {bound}\]"):
             ModelConfig(**{**base, name: bound + 1})
-    for name in ("rms_norm_eps", "rope_theta"):
-        for bad in (math.nan, math.inf, 0.0, -1.0):
-            with pytest.raises(ValueError, match=rf"{name} = {bad!r}"):
+    for name, out_of_range in (("rms_norm_eps", 1.0), ("rope_theta", 1.0), ("rope_local_theta", 0.5),
+                               ("query_pre_attn_scalar", 0.0)):
+        for bad in (math.nan, math.inf, -math.inf, 0.0, -1.0, out_of_range):
+            with pytest.raises(ValueError, match=rf"{name} = {bad!r}: must be a finite number >"):
                 ModelConfig(**{**base, name: bad})
+    for key, bad in (("factor", math.nan), ("partial_rotary_factor", 1.5), ("beta_fast", math.inf)):
+        with pytest.raises(ValueError, match=rf"rope_scaling.{key} = {bad!r}: must be a finite number > 0"):
+            ModelConfig(**{**base, "rope_scaling": {"rope_type": "yarn", "factor": 2.0, key: bad}})
+    ModelConfig(**{**base, "rms_norm_eps": 1e-12, "rope_theta": 1.5})  # in range, however unusual
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -259,9 +259,10 @@ def test_killed_engine_process_is_detected_and_the_server_exits_nonzero():
 
 
 def test_stopped_engine_process_fails_health_and_requests_within_the_heartbeat_bound():
-    """A SIGSTOPped engine (alive but silent): /health turns 503 within the heartbeat timeout (3 s here) and
-    keeps answering in well under a second, the stream in flight ends with a 503 error event within the
-    timeout plus a poll, and the stopped process is killed (the server then exits with status 3)."""
+    """A SIGSTOPped engine (alive but silent, no CPU used): /health turns 503 within the heartbeat timeout (3 s
+    here) and keeps answering in well under a second until then (the server may already have closed its socket
+    on its way out when the probe comes), the stream in flight ends with a 503 error event within the timeout
+    plus a poll, and the stopped process is killed (the server then exits with status 3)."""
     from minfer.serve.__main__ import ENGINE_DIED_EXIT_STATUS
 
     timeout = 3.0
@@ -274,9 +275,12 @@ def test_stopped_engine_process_fails_health_and_requests_within_the_heartbeat_b
             t0 = time.perf_counter()
             while time.perf_counter() - t0 < timeout + 2:  # /health stays fast while the engine is stopped
                 t = time.perf_counter()
-                code = httpx.get(url + "/health", timeout=5).status_code
+                try:
+                    code = httpx.get(url + "/health", timeout=5).status_code
+                except httpx.TransportError:  # the stall was declared and the server already closed its socket
+                    code = None
                 probes.append((t - t0, time.perf_counter() - t, code))
-                if code == 503:
+                if code in (503, None):
                     break
                 time.sleep(0.2)
 
@@ -286,7 +290,8 @@ def test_stopped_engine_process_fails_health_and_requests_within_the_heartbeat_b
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
         assert max(p[1] for p in probes) < 1.0, probes
-        assert probes[-1][2] == 503 and probes[-1][0] < timeout + 1.5, probes
+        assert probes[-1][2] in (503, None) and probes[-1][0] < timeout + 1.5, probes
+        assert all(code == 200 for _, _, code in probes[:-1]), probes
         errors = _errors(rest)
         assert errors and "stopped answering" in errors[0]["error"]["message"], rest[-3:]
         assert took < timeout + 3, f"the stream ended {took:.1f} s after SIGSTOP"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 
-from minfer.config import ModelConfig
+from minfer.config import ModelConfig, check_finite_numbers
 
 
 @dataclass(frozen=True)
@@ -80,16 +80,21 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
     """`ModelConfig` from a parsed HF config dict, through the architecture's adapter.
 
     Raises:
-        ValueError: unknown architecture or a missing required field (the message names `source`).
+        ValueError: unknown architecture, a missing required field, a field out of its range
+            (`config.check_model_config`), or a NaN or infinity in any field, read or not
+            (`config.check_finite_numbers`); the message names `source`.
     """
     arch = find_architecture(hf, source)
     try:
-        return arch.load(arch.config_adapter)(hf, arch, source)
+        cfg = arch.load(arch.config_adapter)(hf, arch, source)
     except ValueError as exc:  # ModelConfig's own checks do not know the file: name it
         msg = str(exc)
         raise ValueError(msg if msg.startswith(source) else f"{source}: {msg}") from None
     except (TypeError, ArithmeticError) as exc:  # e.g. a string or 0 where the adapter divides
         raise ValueError(f"{source}: a field has the wrong type or value ({type(exc).__name__}: {exc})") from None
+    # after the adapter, whose messages give a read field's range; this catches the fields it did not read
+    check_finite_numbers(hf, source)
+    return cfg
 
 
 def model_class(architecture: str):

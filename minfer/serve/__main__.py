@@ -137,10 +137,15 @@ def build_parser() -> argparse.ArgumentParser:
     a("--engine-process", action=argparse.BooleanOptionalAction, default=True,
       help="run the engine core in a process of its own, beside the HTTP server, as vLLM v1 does; "
            "--no-engine-process runs it in a thread of the server's process (default: on)")
-    a("--engine-heartbeat-timeout", type=float, metavar="S", default=ENGINE_HEARTBEAT_TIMEOUT,
-      help="seconds without a heartbeat from the engine process (it beats every 0.5 s) before it counts as "
-           "stalled: /health turns 503, the process is killed and its requests end with a 503, and the server "
-           f"exits with status {ENGINE_DIED_EXIT_STATUS} (default: {ENGINE_HEARTBEAT_TIMEOUT:g})")
+    a("--engine-heartbeat-timeout", type=float, metavar="SECONDS", default=ENGINE_HEARTBEAT_TIMEOUT,
+      help="seconds during which the engine process sends no heartbeat (its heartbeat thread beats every 0.5 s "
+           "beside the step) and uses no CPU before it counts as stalled: /health turns 503, the process is "
+           "killed, its requests end with a 503, and the server exits with status "
+           f"{ENGINE_DIED_EXIT_STATUS}. A slow engine that uses CPU is never stalled; a dead one is seen at once "
+           f"(default: {ENGINE_HEARTBEAT_TIMEOUT:g})")
+    # Test hook (tests/test_engine_liveness.py), not for use: the engine's first step holds the GIL busy for
+    # SECONDS, silencing its heartbeat thread while it works.
+    a("--test-hook-slow-step", type=float, metavar="SECONDS", default=0.0, help=argparse.SUPPRESS)
     a("--disable-log-requests", action="store_true",
       help="do not log each request (the article's flag; vLLM 0.32 logs none unless --enable-log-requests; "
            "default: log them)")
@@ -348,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--engine-heartbeat-timeout must be > 0, got {args.engine_heartbeat_timeout}")
             engine_loop = MPEngineClient(engine_args, ServerMetrics(names[0]),
                                          heartbeat_timeout=args.engine_heartbeat_timeout,
+                                         test_slow_step_s=args.test_hook_slow_step,
                                          on_death=lambda: _engine_died(server_box))
             engine_loop.start()
             engine = engine_loop.engine_view

@@ -16,13 +16,18 @@ the message when the engine is gone).
   fake engine, `--no-engine-process`). Offline `LLM` does not use a client at all: it calls the engine.
 - `MPEngineClient` starts `engine_core.core_main` in a spawned process and talks to it over two ZMQ
   sockets. A receiver thread turns each step message back into cumulative `RequestSnapshot`s and hands them
-  to the event loop in one `call_soon_threadsafe` per message. The thread also watches the process: when it
-  dies, every in-flight request gets a "fatal" event at once and `alive` turns False. The engine process
-  sends a heartbeat every 0.5 s (`engine_core.Heartbeat`); when nothing has come from it for
-  `heartbeat_timeout` seconds (a stopped or wedged process) `alive` turns False at once (/health answers
-  503), and the receiver thread kills the process and fails its requests with a 503 like a death. After a
-  death `on_death` is called once: the server (`python -m minfer.serve`) then exits non-zero so that its
-  supervisor restarts it (chapter 15, "When the engine dies").
+  to the event loop in one `call_soon_threadsafe` per message. The thread also watches the process, and tells
+  a dead engine from a slow one:
+  - death is seen at once: the thread polls the process's sentinel (a pipe that closes when it exits) beside
+    the socket, so every in-flight request gets a "fatal" event and `alive` turns False as soon as it ends;
+  - a stall needs two signs for `heartbeat_timeout` seconds: no message at all from the engine process (its
+    heartbeat thread, `engine_core.Heartbeat`, beats every 0.5 s beside the step) and no CPU time used by the
+    process (`/proc/<pid>/stat`). A stopped (SIGSTOP) or deadlocked process shows both; a process that is
+    only slow (a long step on a starved host, a native call that holds the GIL and so silences the heartbeat
+    thread) keeps using CPU and is left alone, with a warning in the log. Then `alive` turns False (/health
+    answers 503) and the thread kills the process and fails its requests with a 503 like a death.
+  After a death `on_death` is called once: the server (`python -m minfer.serve`) then exits non-zero so that
+  its supervisor restarts it (chapter 15, "When the engine dies").
 
 `router.DPEngineClient` holds one client per replica behind a routing policy (chapter 12b).
 """
@@ -52,11 +57,26 @@ InprocClient = EngineLoop  # the in-process implementation (a thread owns the en
 
 _EXC = {"ValueError": ValueError, "TypeError": TypeError}
 
-# Seconds without any message from the engine process (its heartbeat comes every 0.5 s) before it counts as
-# stalled: /health turns 503 and its requests end with a 503 within this bound (plus one 0.2 s poll). Long
-# enough that a heavily loaded 2-core machine, where a niced process can wait seconds for a core, does not
-# kill a healthy engine; short enough that a client gives up on its own later than that.
-ENGINE_HEARTBEAT_TIMEOUT = 10.0
+# Seconds without any message from the engine process (its heartbeat comes every 0.5 s) and without any CPU
+# time used by it before it counts as stalled: /health turns 503 and its requests end with a 503 within this
+# bound plus one 0.2 s poll. On a 2-core machine at load 20-55 the heartbeat of a working engine went silent
+# for 10.1 s, 14.7 s and 69.5 s (issue 40: long prefills, a first grammar), so silence alone is no stall;
+# with the CPU condition a starved engine is not stalled while it gets any slice of a core (one 10 ms clock
+# tick in the limit), and 30 s leaves room for a host that gives it none for a while (swap, a burst of
+# higher-priority work). A client's own timeout (the openai client's is 600 s) is far longer.
+ENGINE_HEARTBEAT_TIMEOUT = 30.0
+
+
+def process_cpu(pid: int) -> tuple[str, int] | None:
+    """(state letter, user + system CPU time in clock ticks) of process `pid`, from `/proc/<pid>/stat`
+    (proc(5): fields 3, 14 and 15, all threads of the process together); None where there is no /proc (not
+    Linux) or the process is gone. State "T" is stopped (SIGSTOP), "t" traced, "D" waiting for I/O."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # the command name may hold spaces and ")"
+        return fields[0].decode(), int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 class EngineView:
@@ -129,8 +149,11 @@ class MPEngineClient:
         engine_args: the `EngineArgs` the engine process builds its `LLMEngine` from.
         metrics: `ServerMetrics` to update (in this process), or None.
         startup_timeout: seconds to wait for the model to load (seconds).
-        heartbeat_timeout: seconds without a message from the engine process before it is declared stalled
-            (killed, its requests failed with 503).
+        heartbeat_timeout: seconds without a message from the engine process and without it using CPU before
+            it is declared stalled (killed, its requests failed with 503); see the module docstring.
+        test_slow_step_s: a test hook, 0 outside tests: the engine process holds the GIL while it spins on the
+            CPU for this many seconds before its first step (`engine_core.EngineCore`), which silences its
+            heartbeat thread: a slow engine that must not be declared stalled.
         on_death: called once (from the receiver thread, no arguments) after the engine process died or was
             killed as stalled; the server passes its own shutdown.
 
@@ -140,7 +163,7 @@ class MPEngineClient:
     """
 
     def __init__(self, engine_args, metrics: ServerMetrics | None = None, startup_timeout: float = 600.0,
-                 heartbeat_timeout: float = ENGINE_HEARTBEAT_TIMEOUT, on_death=None):
+                 heartbeat_timeout: float = ENGINE_HEARTBEAT_TIMEOUT, on_death=None, test_slow_step_s: float = 0.0):
         import msgpack
         import zmq
 
@@ -177,6 +200,11 @@ class MPEngineClient:
         self.heartbeat_timeout = heartbeat_timeout
         self.on_death = on_death
         self._last_heard = time.monotonic()  # when the last message (a heartbeat or any other) arrived
+        self._cpu_ticks: int | None = None  # the engine's CPU time at the last sample of this silence
+        self._busy_at = 0.0  # when this silence last saw the engine's CPU time grow
+        self._warned_busy = False  # this silence was logged as busy, not stalled
+        self._stall_reason: str | None = None  # set by the receiver thread when it declares a stall
+        self.test_slow_step_s = test_slow_step_s
 
     # --- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -187,6 +215,7 @@ class MPEngineClient:
 
         ctx = multiprocessing.get_context("spawn")  # fork would copy this process's threads and torch state
         self._proc = ctx.Process(target=core_main, args=(self.engine_args, self._in_addr, self._out_addr),
+                                 kwargs={"test_slow_step_s": self.test_slow_step_s} if self.test_slow_step_s else {},
                                  name="minfer-engine-core", daemon=True)
         with _engine_core_environ():
             self._proc.start()
@@ -233,8 +262,8 @@ class MPEngineClient:
 
     @property
     def stalled(self) -> bool:
-        """Nothing came from a started engine process for `heartbeat_timeout` seconds."""
-        return self._thread is not None and time.monotonic() - self._last_heard > self.heartbeat_timeout
+        """The receiver thread declared the engine process stalled (see the module docstring)."""
+        return self._stall_reason is not None
 
     # --- called from the event loop ------------------------------------------------------------------------
     def add(self, request_id: str, prompt, params, q: asyncio.Queue, arrival: float) -> None:
@@ -300,40 +329,81 @@ class MPEngineClient:
         return True
 
     def _dead_message(self) -> str:
-        if self.exit_reason is None and self.stalled:
-            return self._stall_message()
+        if self.exit_reason is None and self._stall_reason is not None:
+            return self._stall_reason
         return self.exit_reason or "the engine process is not running"
-
-    def _stall_message(self) -> str:
-        return (f"the engine process stopped answering (no heartbeat for {time.monotonic() - self._last_heard:.1f} s,"
-                f" limit {self.heartbeat_timeout:g} s)")
 
     # --- receiver thread -----------------------------------------------------------------------------------
     def _recv_loop(self) -> None:
+        import zmq
+
         sock = self._recv_sock
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._proc.sentinel, zmq.POLLIN)  # readable (closed) once the process has exited
         while not self._stop.is_set():
             try:
-                if not sock.poll(200):
-                    if not self._proc.is_alive():
-                        self._on_death()
-                        return
-                    if self.stalled:
-                        self._kill_stalled()
-                        return
-                    continue
-                msg = self._unpack(sock.recv())
-                self._last_heard = time.monotonic()
-                if msg[0] != "heartbeat":
-                    self._on_message(msg)
+                ready = dict(poller.poll(200))
+                if sock in ready:
+                    msg = self._unpack(sock.recv())
+                    self._heard()
+                    if msg[0] != "heartbeat":
+                        self._on_message(msg)
+                    continue  # read what the engine sent before its exit, if it exited: its last outputs
+                if self._proc.sentinel in ready or not self._proc.is_alive():
+                    self._proc.join(1)  # reap it: its exit code goes into the 503s and /health
+                    self._on_death()
+                    return
+                if self._check_stall():
+                    self._kill_stalled()
+                    return
             except Exception:  # noqa: BLE001 - a bad message must not kill the receiver
                 if self._stop.is_set():
                     return
                 logger.exception("engine client: could not handle a message")
 
+    def _heard(self) -> None:
+        self._last_heard = time.monotonic()
+        self._cpu_ticks = None
+        if self._warned_busy:
+            self._warned_busy = False
+            logger.info("the engine process answers again")
+
+    def _check_stall(self) -> bool:
+        """Called after a poll found nothing: True when the engine process has sent nothing and used no CPU for
+        `heartbeat_timeout` seconds (then `_stall_reason` says so). Samples its CPU time once a silence passes
+        two heartbeat intervals, so a process that works without beating is seen working."""
+        now = time.monotonic()
+        silent = now - self._last_heard
+        if silent <= 1.0:  # two heartbeats
+            return False
+        cpu = process_cpu(self.engine_pid) if self.engine_pid else None
+        if cpu is not None:
+            if self._cpu_ticks is None:  # first sample of this silence: no CPU use is known after the last message
+                self._busy_at = self._last_heard
+            elif cpu[1] > self._cpu_ticks:
+                self._busy_at = now
+            self._cpu_ticks = cpu[1]
+        if silent <= self.heartbeat_timeout:
+            return False
+        if self._recv_sock.poll(0):  # this thread was slow to run (the API process was busy): messages wait
+            return False
+        if cpu is not None and now - self._busy_at <= self.heartbeat_timeout:
+            if not self._warned_busy:
+                self._warned_busy = True
+                logger.warning("no heartbeat from the engine process for %.1f s (limit %g s), but it is using CPU "
+                               "(state %s): busy, not stalled", silent, self.heartbeat_timeout, cpu[0])
+            return False
+        state = "" if cpu is None else f", process state {cpu[0]}{' (stopped)' if cpu[0] in 'Tt' else ''}"
+        used = "" if cpu is None else f" and no CPU time used for {now - self._busy_at:.1f} s"
+        self._stall_reason = (f"the engine process stopped answering (no heartbeat for {silent:.1f} s{used}, "
+                              f"limit {self.heartbeat_timeout:g} s{state})")
+        return True
+
     def _kill_stalled(self) -> None:
         """A stalled engine process is killed (SIGKILL ends a stopped process too) and treated as dead: its
         requests get a 503 now rather than wait for a process that may never answer."""
-        reason = self._stall_message()
+        reason = self._stall_reason
         logger.error("%s; killing it (pid %s)", reason, self.engine_pid)
         self._fatal_reason = reason
         self._proc.kill()

@@ -30,9 +30,10 @@ A message from the core is a msgpack list whose first item says what it is:
     ["heartbeat"]                   every `HEARTBEAT_INTERVAL` s, from a thread of its own (`Heartbeat`)
 
 The heartbeat is vLLM v1's engine-core liveness signal in small: the API process marks the engine unhealthy
-and fails its requests with a 503 when no message came for `--engine-heartbeat-timeout` seconds (a stopped
-or wedged process). The same thread ends this process when its parent dies (checked every beat, busy or
-idle), so a killed server leaves no engine behind, not even one in the middle of a long step.
+and fails its requests with a 503 when no message came for `--engine-heartbeat-timeout` seconds and the
+process used no CPU meanwhile (a stopped or deadlocked process; a slow one keeps using CPU:
+`engine_client.MPEngineClient`). The same thread ends this process when its parent dies (checked every beat,
+busy or idle), so a killed server leaves no engine behind, not even one in the middle of a long step.
 """
 
 from __future__ import annotations
@@ -159,6 +160,26 @@ class Heartbeat(threading.Thread):
             sock.close(linger=0)
 
 
+def hold_gil_busy(seconds: float) -> None:
+    """A test hook: spin on the CPU for `seconds` without letting another thread of this process run Python.
+
+    Raising the switch interval past `seconds` means a thread waiting for the GIL (the heartbeat thread, once
+    its 0.5 s wait ends) does not ask for it before the spin ends, so the process burns CPU while its heartbeat
+    is silent: what a native call that keeps the GIL, or a host that starves the process, looks like from the
+    API process. Used only through `--test-hook-slow-step` (tests/test_engine_liveness.py).
+    """
+    import sys
+
+    saved = sys.getswitchinterval()
+    sys.setswitchinterval(seconds + 5.0)
+    try:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+    finally:
+        sys.setswitchinterval(saved)
+
+
 class EngineCore:
     """One `LLMEngine` driven by commands from a socket, its outputs written to another (the process body).
 
@@ -167,9 +188,12 @@ class EngineCore:
         input_socket: a ZMQ PULL socket the commands arrive on.
         output_socket: a ZMQ PUSH socket for the messages above.
         stats_interval: seconds between stats while busy (seconds).
+        test_slow_step_s: a test hook, 0 outside tests: the first step that runs requests first holds the GIL
+            busy for this many seconds (`hold_gil_busy`).
     """
 
-    def __init__(self, engine, input_socket, output_socket, stats_interval: float = 0.05):
+    def __init__(self, engine, input_socket, output_socket, stats_interval: float = 0.05,
+                 test_slow_step_s: float = 0.0):
         import msgpack
         import zmq
 
@@ -190,6 +214,7 @@ class EngineCore:
         # [future, cmd, started (perf_counter), aborted]; added in order once compiled (`_finish_compiles`).
         self._compiling: list = []
         self._compiler = None  # a one-thread ThreadPoolExecutor, made for the first guided request
+        self.test_slow_step_s = test_slow_step_s
 
     def _send(self, msg) -> None:
         self.out.send(self.pack(msg), copy=False)
@@ -351,6 +376,10 @@ class EngineCore:
                 continue
             if not engine.has_unfinished_requests():
                 continue
+            if self.test_slow_step_s:
+                logger.warning("test hook: this step holds the GIL busy for %g s", self.test_slow_step_s)
+                hold_gil_busy(self.test_slow_step_s)
+                self.test_slow_step_s = 0.0
             try:
                 outputs = engine.step()
             except Exception as exc:  # noqa: BLE001 - fail the running requests, keep serving
@@ -375,8 +404,9 @@ class EngineCore:
             self._send(["step", rows, stats, getattr(engine, "last_step_num_tokens", None)])
 
 
-def core_main(engine_args, input_addr: str, output_addr: str) -> None:
+def core_main(engine_args, input_addr: str, output_addr: str, test_slow_step_s: float = 0.0) -> None:
     """The engine-core process: build the engine, say "ready" (or why not), then serve commands forever.
+    `test_slow_step_s` is `EngineCore`'s test hook (0 outside tests).
 
     The "ready" info is a pickled dict: `model_name`, `model_config` (`ModelConfigView`), `tokenizer` (the
     API process tokenizes and renders chat templates with it), `kv_pool_info`, `pid`, `default_sampling_params`
@@ -421,4 +451,4 @@ def core_main(engine_args, input_addr: str, output_addr: str) -> None:
     # GOMP_SPINCOUNT says. The worker then slept ~350 times per step and had to be woken each time, behind
     # any other process on its core: measured on this workload under niced background load, 1.34 of the 2
     # cores used and 78-91 output tok/s, against 1.83 cores and 97.6 tok/s with one team (chapter 9, 9.2.3).
-    EngineCore(engine, inp, out).run()
+    EngineCore(engine, inp, out, test_slow_step_s=test_slow_step_s).run()
