@@ -20,7 +20,7 @@ and the three instruction-set paths give the same bits (they do the same float o
 approximation against a dequantize-then-matmul is the activations' rounding to 8 bits per block of 32
 (`reference_matmul` is the same arithmetic in float64; tests/test_qgemm.py bounds both).
 
-`MINFER_GGUF_ISA` = `scalar`, `avx2` or `vnni` (read by `minfer.platform`, for tests and benchmarks) forces an
+`envs.MINFER_GGUF_ISA` = `scalar`, `avx2` or `vnni` (asked for by `minfer.platform`, for tests and benchmarks) forces an
 instruction set (a CPU lacking it gets the best it has).
 """
 
@@ -61,7 +61,7 @@ def best_isa() -> str:
 
 
 def active_isa() -> str:
-    """The instruction set a call runs here: `MINFER_GGUF_ISA` when it forces one this CPU has, else the best
+    """The instruction set a call runs here: `envs.MINFER_GGUF_ISA` when it forces one this CPU has, else the best
     (the kernel's own rule: a forced set the CPU lacks gets the best it has)."""
     forced, best = _isa_from_env(), _library().minfer_qgemm_best_isa()
     return ISA_NAMES[forced if 0 < forced <= best else best]
@@ -214,7 +214,7 @@ def _isa_from_env() -> int:
     """The forced instruction set's number (0: auto): `minfer.platform.gguf_isa_override`."""
     name = gguf_isa_override()
     if name not in ISAS:
-        raise ValueError(f"MINFER_GGUF_ISA must be one of {sorted(ISAS)}, got {name!r}")
+        raise ValueError(f"the forced instruction set must be one of {sorted(ISAS)}, got {name!r}")
     return ISAS[name]
 
 
@@ -222,7 +222,7 @@ def qgemm(x: torch.Tensor, w: PackedWeight, isa: str | None = None) -> torch.Ten
     """`x [T, K]` times the packed weight `[N, K]`, transposed: float32 `[T, N]`.
 
     Args:
-        x: float `[T, K]` on the CPU (converted to contiguous float32). isa: "auto" (default: MINFER_GGUF_ISA,
+        x: float `[T, K]` on the CPU (converted to contiguous float32). isa: "auto" (default: `envs.MINFER_GGUF_ISA`,
             else the best this CPU has), "scalar", "avx2" or "vnni".
     Raises:
         QGemmUnavailable: the kernel cannot be built here. ValueError: x of another width or device, an

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import re
 import sys
 from dataclasses import fields
 
+from minfer import envs
 from minfer.config import ATTENTION_BACKENDS, DEFAULT_CHUNK_BUDGET, DEFAULT_MODEL, KERNELS, EngineArgs
 from minfer.serve.engine_client import ENGINE_HEARTBEAT_TIMEOUT
 from minfer.serve.limits import ServerLimits
@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m minfer.serve",
         description="Serve a model with an OpenAI-compatible API (flags named as vLLM's).",
+        epilog="OpenMP: unless OMP_WAIT_POLICY or GOMP_SPINCOUNT is set, this process sets OMP_WAIT_POLICY=PASSIVE "
+               f"as it starts and its engine process GOMP_SPINCOUNT={envs.ENGINE_CORE_SPINCOUNT} "
+               f"({envs.ENGINE_CORE_SPINCOUNT_NICED} when niced); `import minfer` sets nothing.\n"
+               "Environment variables (minfer.envs):\n" + envs.help_text(),
         formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, max_help_position=44, width=160))
     d = _DEFAULTS
     a = p.add_argument
@@ -63,9 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="name(s) clients use in 'model' (default: the --model value)")
     a("--host", default="127.0.0.1", metavar="ADDR", help="address to listen on (default: 127.0.0.1)")
     a("--port", type=_port, default=8000, metavar="N", help="TCP port (default: 8000)")
-    a("--api-key", default=os.environ.get("MINFER_API_KEY"), metavar="KEY",
+    a("--api-key", default=envs.MINFER_API_KEY, metavar="KEY",
       help="require 'Authorization: Bearer KEY' on every route but /health, /metrics and the demo page / "
-           "(default: none; env MINFER_API_KEY)")
+           "(default: none; the environment's key, listed below)")
     a("--tensor-parallel-size", "-tp", type=int, metavar="N", default=d["tensor_parallel_size"],
       help=f"ranks (GPUs, or CPU processes) to split each layer over by heads (default: {d['tensor_parallel_size']})")
     a("--pipeline-parallel-size", "-pp", type=int, metavar="N", default=d["pipeline_parallel_size"],
