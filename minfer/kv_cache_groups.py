@@ -48,6 +48,7 @@ from minfer.block_manager import BlockManager, NoFreeBlocksError
 from minfer.block_policies import first_visible_block
 from minfer.sequence import Sequence
 
+
 def hybrid_block_manager(layout: KVCacheLayout, num_blocks: int, block_size: int, num_cpu_blocks: int,
                          enable_prefix_caching: bool) -> "HybridBlockManager":
     """The block manager of a hybrid model (one block table per layer group of `layout`)."""

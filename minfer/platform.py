@@ -31,7 +31,6 @@ nowhere else:
 
 from __future__ import annotations
 
-
 import torch
 
 from minfer import envs

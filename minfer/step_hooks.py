@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from minfer.scheduler import ScheduledBatch
     from minfer.sampling_params import GuidedDecodingParams
+    from minfer.scheduler import ScheduledBatch
     from minfer.sequence import Sequence
     from minfer.spec_decode.decoder import SpecDecoder
     from minfer.structured_output import StructuredOutputManager

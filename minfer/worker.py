@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from minfer.attention import ContiguousBackend, ForwardContext, get_attn_backend
+from minfer.attention.grouped import GroupedBackend, hybrid_layout, stacked_block_tables
 from minfer.config import EngineArgs
 from minfer.kv_cache import KVCachePool
-from minfer.attention.grouped import GroupedBackend, hybrid_layout, stacked_block_tables
 from minfer.model.loader import load_model
 from minfer.outputs import ModelRunnerOutput
 from minfer.parallel.parallel_state import get_parallel_state

@@ -216,7 +216,6 @@ def quant_llms():
 def test_engine_equals_simple_path_with_quantized_kv(quant_llms, kv_cache_dtype):
     from minfer import SamplingParams
     from tests.test_engine import PROMPTS
-
     from tests.test_quant import assert_same_until_a_near_tie
 
     prompts = PROMPTS[:8]

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from minfer import memory
+from minfer.attention import ContiguousBackend
 from minfer.config import ModelConfig
 from minfer.kv_cache import KVCachePool, bytes_per_block
-from minfer.attention import ContiguousBackend
 
 
 def tiny_config(layers=3, heads=4, kv_heads=2, head_dim=8, hidden=32) -> ModelConfig:

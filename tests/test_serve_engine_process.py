@@ -23,7 +23,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import pytest

@@ -33,10 +33,10 @@ has), for measuring one path against another on one machine.
 
 from __future__ import annotations
 
-
 import torch
 
 from minfer.cpu.build import I32, I64, PTR, CppLibrary, KernelUnavailable
+
 # One instruction-set numbering and one CPU probe for both kernels (their C++ choose a set the same way).
 from minfer.cpu.qgemm import ISAS, _isa_from_env, best_isa, quantize_activations  # noqa: F401
 

@@ -12,8 +12,8 @@ The cost: the process keeps its peak heap (what the largest step needed) instead
 steps; an engine that holds a KV pool of gigabytes anyway does not miss it. This is what vLLM's CPU backend
 gets by preloading tcmalloc (its installation guide's advice); minfer asks glibc instead of adding a library.
 
-`keep_freed_memory()` is called by the platform (`CpuPlatform.configure_allocator`) of a CPU engine's worker (offline `LLM` and the server's engine
-process). It changes nothing where the user set glibc's own variables (`MALLOC_MMAP_THRESHOLD_`,
+`keep_freed_memory()` is called by the platform (`CpuPlatform.configure_allocator`) of a CPU engine's worker
+(offline `LLM` and the server's engine process). It changes nothing where the user set glibc's own variables (`MALLOC_MMAP_THRESHOLD_`,
 `MALLOC_TRIM_THRESHOLD_`, or a `glibc.malloc.*` tunable in `GLIBC_TUNABLES`: theirs win), where
 `envs.MINFER_MALLOC_TUNING` is 0 (or false / no / off), or off glibc.
 """

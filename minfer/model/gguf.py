@@ -23,7 +23,6 @@ from minfer import envs
 from minfer.config import ModelConfig
 from minfer.model.registry import architecture_for_gguf, config_from_hf
 
-
 # llama.cpp's tensor names -> Hugging Face's (blk.N.<base>.<kind> -> model.layers.N.<hf>.<kind>).
 GGUF_TO_HF_NAMES = {
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",

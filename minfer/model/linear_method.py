@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
 if TYPE_CHECKING:
     from minfer.model.layers import Linear
 

@@ -23,8 +23,13 @@ from minfer.attention import Attention, ForwardContext
 from minfer.config import ModelConfig
 from minfer.model.layers import BuildOptions, RMSNorm, fused_kernels, silu_and_mul
 from minfer.model.positions import RotaryEmbedding
-from minfer.parallel.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
-                                    VocabParallelEmbedding)
+from minfer.parallel.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from minfer.parallel.parallel_state import get_parallel_state
 from minfer.parallel.pipeline import stage_layers
 

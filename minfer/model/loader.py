@@ -22,12 +22,16 @@ from minfer.memory import physical_memory_bytes
 from minfer.model.gguf import load_gguf, load_gguf_blocks
 from minfer.model.layers import BuildOptions, process_weights_after_loading
 from minfer.model.linear_method import LinearMethodBase, default_weight_loader
-from minfer.platform import default_device, get_platform
 from minfer.model.registry import config_from_hf, model_class
 from minfer.model.sources import ModelSource, resolve_model
+from minfer.platform import default_device, get_platform
 from minfer.quantization import get_quantization_method
-from minfer.quantization.checkpoint import (SAVED_METHODS, PrequantizedLinearMethod, read_quantization_config,
-                                            unpack_checkpoint)
+from minfer.quantization.checkpoint import (
+    SAVED_METHODS,
+    PrequantizedLinearMethod,
+    read_quantization_config,
+    unpack_checkpoint,
+)
 
 logger = logging.getLogger(__name__)
 

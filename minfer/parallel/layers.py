@@ -23,8 +23,11 @@ from torch import nn
 
 from minfer.model.layers import Linear
 from minfer.model.linear_method import LinearMethodBase, default_weight_loader
-from minfer.parallel.parallel_state import (get_parallel_state, tensor_model_parallel_all_gather,
-                                            tensor_model_parallel_all_reduce)
+from minfer.parallel.parallel_state import (
+    get_parallel_state,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
 
 
 def divide(n: int, d: int, what: str) -> int:

@@ -95,11 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
            "int8/int4 are the article's names, not vLLM's: vLLM's methods are awq, gptq, fp8, ... (default: none)")
     a("--quantization-config", default=None, metavar="JSON",
       help='the method\'s settings as a JSON object, e.g. \'{"group_size": 64}\' for int4 (default: none)')
-    a("--kv-cache-dtype", default=d["kv_cache_dtype"], metavar="DTYPE", help="how the KV pool stores K/V: auto (the model's dtype), float32, bfloat16, "
-                                                            "float16, int8, fp8 (= fp8_e4m3), fp8_e5m2 (8-bit ones with a "
-                                                            "scale per token and head); the article's short names fp16/"
-                                                            "bf16 and int8 are not vLLM's values "
-                                                            f"(default: {d['kv_cache_dtype']})")
+    a("--kv-cache-dtype", default=d["kv_cache_dtype"], metavar="DTYPE",
+      help="how the KV pool stores K/V: auto (the model's dtype), float32, bfloat16, "
+           "float16, int8, fp8 (= fp8_e4m3), fp8_e5m2 (8-bit ones with a "
+           "scale per token and head); the article's short names fp16/"
+           "bf16 and int8 are not vLLM's values "
+           f"(default: {d['kv_cache_dtype']})")
     a("--block-size", type=int, metavar="N", default=d["block_size"], help=f"tokens per KV block (tokens; default: {d['block_size']})")
     a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d["enable_prefix_caching"],
       help=f"reuse KV blocks of shared prompt prefixes (default: {d['enable_prefix_caching']})")

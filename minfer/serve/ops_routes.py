@@ -15,13 +15,14 @@ tools find them.
 
 from __future__ import annotations
 
+import functools
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from minfer.serve.limits import check_message_chars, check_prompt_chars, read_json_body
-from minfer.serve.protocol import (
-    APIError, _get_bool, chat_template_options, echo, normalize_messages, resolve_model)
+from minfer.serve.protocol import APIError, _get_bool, chat_template_options, echo, normalize_messages, resolve_model
 
 router = APIRouter()
 OPEN_PATHS = frozenset({"/ping"})  # open even with --api-key, as /health
@@ -99,7 +100,7 @@ async def tokenize(request: Request):
             raise APIError(400, f"prompt must be a string, got {echo(prompt)}", param="prompt")
         check_prompt_chars([prompt], serving.limits, serving.max_model_len)
         special = _get_bool(body, "add_special_tokens", True)
-        fn = (lambda: tok.encode(prompt, add_special_tokens=special))
+        fn = functools.partial(tok.encode, prompt, add_special_tokens=special)
     else:
         check_message_chars(body["messages"], serving.limits, serving.max_model_len)
         messages = normalize_messages(body["messages"])

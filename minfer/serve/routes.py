@@ -47,16 +47,31 @@ from starlette.routing import Match
 from minfer.sampling_params import SamplingParams
 from minfer.serve.beam_search import beam_search_params, beam_search_requested, serve_beam_search
 from minfer.serve.engine_loop import EngineLoop
-from minfer.serve.limits import (
-    FramingMiddleware, ServerLimits, check_fan_out, check_message_chars, check_prompt_chars, check_rendered_chars,
-    check_tool_chars, read_json_body)
-from minfer.serve.metrics import ServerMetrics
-from minfer.serve.protocol import (
-    DEFAULT_COMPLETION_MAX_TOKENS, APIError, chat_template_options, context_overflow, echo_setting, normalize_messages,
-    parse_prompts, resolve_model, sampling_params)
 from minfer.serve.fallbacks import FallbackConfig, truncate_prompt_tokens_setting
 from minfer.serve.legacy_api import router as legacy_router
+from minfer.serve.limits import (
+    FramingMiddleware,
+    ServerLimits,
+    check_fan_out,
+    check_message_chars,
+    check_prompt_chars,
+    check_rendered_chars,
+    check_tool_chars,
+    read_json_body,
+)
+from minfer.serve.metrics import ServerMetrics
 from minfer.serve.ops_routes import router as ops_router
+from minfer.serve.protocol import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    APIError,
+    chat_template_options,
+    context_overflow,
+    echo_setting,
+    normalize_messages,
+    parse_prompts,
+    resolve_model,
+    sampling_params,
+)
 from minfer.serve.responses import router as responses_router
 from minfer.serve.serving import OpenAIServing
 
