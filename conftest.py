@@ -8,7 +8,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-from minfer import envs
+import minfer.envs as envs
 
 # The suite's engines run in this process: their OpenMP wait policy goes in before torch loads (minfer.envs).
 envs.configure_process("offline")

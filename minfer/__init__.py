@@ -15,14 +15,14 @@ def __getattr__(name):
     # LLM pulls in torch models and transformers: import it lazily so `import minfer` stays fast.
     # Both run their worker in this process: its OpenMP settings go in before they import torch.
     if name == "LLM":
-        from minfer import envs
+        import minfer.envs as envs
 
         envs.configure_process("offline")
         from minfer.llm import LLM
 
         return LLM
     if name == "LLMEngine":
-        from minfer import envs
+        import minfer.envs as envs
 
         envs.configure_process("offline")
         from minfer.engine import LLMEngine

@@ -46,10 +46,8 @@ def _choice(name: str, choices: Callable[[], tuple[str, ...]], default: str | No
     return get
 
 
-def _linear_layouts() -> tuple[str, ...]:
-    from minfer.cpu.linear import LINEAR_METHODS  # the layouts' own table
-
-    return tuple(LINEAR_METHODS)
+# `minfer.cpu.linear.LINEAR_METHODS`'s names (tests/test_envs.py holds the two equal): this module imports no other.
+LINEAR_LAYOUTS = ("hybrid", "onednn", "split", "panels", "nn")
 
 
 def _device() -> Any:
@@ -83,7 +81,7 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         _str("MINFER_API_KEY"),
         "the server's API key when --api-key is not given (default: none, no key)"),
     "MINFER_LINEAR_LAYOUT": (
-        _choice("MINFER_LINEAR_LAYOUT", _linear_layouts, None),
+        _choice("MINFER_LINEAR_LAYOUT", lambda: LINEAR_LAYOUTS, None),
         "force a CPU Linear layout under kernels='auto': nn, split, onednn, hybrid, panels (tests, benchmarks)"),
     "MINFER_GGUF_ISA": (
         _choice("MINFER_GGUF_ISA", lambda: ("auto", "scalar", "avx2", "vnni"), "auto"),

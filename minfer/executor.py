@@ -30,7 +30,7 @@ from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from minfer import envs
+import minfer.envs as envs
 from minfer.config import EngineArgs, verify_parallel_config
 from minfer.worker import Worker
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from minfer import envs
+import minfer.envs as envs
 from minfer.config import KERNELS
 from minfer.model.linear_method import LinearMethodBase, UnquantizedLinearMethod
 

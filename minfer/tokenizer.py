@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from minfer import envs
+import minfer.envs as envs
 
 
 class Tokenizer:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from minfer import envs
+import minfer.envs as envs
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "minfer"
@@ -72,6 +72,12 @@ def test_variables_are_read_when_asked_for(monkeypatch):
         assert envs.MINFER_MALLOC_TUNING is want, value
     with pytest.raises(AttributeError):
         envs.MINFER_NOT_A_VARIABLE  # noqa: B018 - the attribute access is the test
+
+
+def test_linear_layouts_are_the_cpu_wings():
+    from minfer.cpu.linear import LINEAR_METHODS
+
+    assert envs.LINEAR_LAYOUTS == tuple(LINEAR_METHODS)
 
 
 def test_bad_values_name_the_variable(monkeypatch):

@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "minfer"
 
 # Plain data and formulas every step may use; they import only each other.
-SHARED = {"minfer.config", "minfer.sequence", "minfer.outputs", "minfer.sampling_params", "minfer.memory"}
+SHARED = {"minfer.config", "minfer.sequence", "minfer.outputs", "minfer.sampling_params", "minfer.memory",
+          "minfer.envs"}
 # The seam that decides, once per worker, how this device runs a step (minfer/platform.py): every step may ask
 # it, and it reaches the CPU wing only inside its functions, for the step that asks.
 SEAM = {"minfer.platform"}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
-from minfer import envs
+import minfer.envs as envs
 
 os.environ.update(envs.triton_interpreter_environ())  # before the modules below import triton
 

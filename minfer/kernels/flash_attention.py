@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minfer import envs
+import minfer.envs as envs
 
 # exp(x) = 2^(x * log2(e)): the kernel folds log2(e) into the softmax scale and uses exp2, which maps to
 # one hardware instruction (the FA2 paper and the Triton tutorial do the same).

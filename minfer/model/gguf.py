@@ -19,7 +19,7 @@ from typing import Iterable, Iterator
 import torch
 from tqdm.auto import tqdm
 
-from minfer import envs
+import minfer.envs as envs
 from minfer.config import ModelConfig
 from minfer.model.registry import architecture_for_gguf, config_from_hf
 

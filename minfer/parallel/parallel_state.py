@@ -23,7 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from minfer import envs
+import minfer.envs as envs
 from minfer.parallel.timeline import device_clock
 
 logger = logging.getLogger("minfer.parallel")

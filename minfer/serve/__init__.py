@@ -22,7 +22,7 @@ Split as vLLM's `vllm/entrypoints/openai/`, one job a module, in the order a req
 - `ServerMetrics`: the Prometheus metrics (`metrics.py`).
 """
 
-from minfer import envs
+import minfer.envs as envs
 
 # The process `python -m minfer.serve` started runs this before anything imports torch (`__main__` comes
 # after its package): its OpenMP threads must know how to wait before torch loads libgomp.

@@ -16,7 +16,7 @@ import re
 import sys
 from dataclasses import fields
 
-from minfer import envs
+import minfer.envs as envs
 from minfer.config import ATTENTION_BACKENDS, DEFAULT_CHUNK_BUDGET, DEFAULT_MODEL, KERNELS, EngineArgs
 from minfer.serve.engine_client import ENGINE_HEARTBEAT_TIMEOUT
 from minfer.serve.limits import ServerLimits

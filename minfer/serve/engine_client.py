@@ -42,7 +42,7 @@ import time
 from collections import deque
 from types import SimpleNamespace
 
-from minfer import envs
+import minfer.envs as envs
 from minfer.serve.engine_loop import EngineLoop, OutputSnapshot, RequestSnapshot
 from minfer.serve.metrics import ServerMetrics
 from minfer.serve.protocol import APIError
