@@ -8,4 +8,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-import minfer  # noqa: E402,F401  (sets the OpenMP spin policy before torch loads; see minfer/__init__.py)
+import minfer.envs as envs
+
+# The suite's engines run in this process: their OpenMP wait policy goes in before torch loads (minfer.envs).
+envs.configure_process("offline")

@@ -87,8 +87,8 @@ def worker(args) -> int:
     """One engine, one request at a time, until `--seconds` pass after `--start-at`; prints one JSON line."""
     import torch
 
-    from minfer.engine import LLMEngine
     from minfer.config import EngineArgs
+    from minfer.engine import LLMEngine
     from minfer.sampling_params import SamplingParams
 
     t_load = time.perf_counter()

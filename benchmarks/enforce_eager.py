@@ -227,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                                                  for m, v in paired["first_token_s"].items()}
         print("paired:", json.dumps({k: paired[k] for k in paired if k != "first_token_s"}), flush=True)
     result = {
-        "command": "flock /tmp/minfer-bench.lock python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:])),
+        "command": "flock /tmp/minfer-bench.lock python "
+                   + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:])),
         "model": MODEL, "config": {k: v for k, v in vars(args).items() if not k.endswith("_child")},
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "torch": __import__("torch").__version__},

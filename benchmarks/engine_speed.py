@@ -137,7 +137,6 @@ def bench_gemm() -> dict:
 
 def bench_engine(model_dir: str) -> dict:
     from minfer import LLM, SamplingParams
-
     from minfer.platform import CpuPlatform
 
     def make(fused: bool):

@@ -62,10 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from minfer.quantization.gguf import decode_int8_group_blocks, decode_q4_blocks
     from minfer.cpu.gguf_matmul import ISAS, best_isa, dequantize_blocks, gguf_matmul, repack_blocks
-    from minfer.quantization.int4 import pack_int4
     from minfer.cpu.int8_group import int8_group_matmul
+    from minfer.quantization.gguf import decode_int8_group_blocks, decode_q4_blocks
+    from minfer.quantization.int4 import pack_int4
 
     isas = [i for i in ("vnni", "avx2") if ISAS[i] <= ISAS[best_isa()]]
     rows = []

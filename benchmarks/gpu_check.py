@@ -208,7 +208,7 @@ def bench_prefill(r: Run, sz: dict) -> list[dict]:
         log("[prefill] L={seq_len:6d} B={batch:3d}  minfer {m:7.1f}  torch-flash {t:7.1f}  naive {n:7.1f} TFLOP/s"
             .format(m=row.get("minfer_tflops", float("nan")), t=row.get("torch_flash_tflops", float("nan")),
                     n=row.get("naive_tflops", float("nan")), **row))
-        del q, k, v, qp, kp, vp
+        q = k = v = qp = kp = vp = None  # the timed closures hold these names: free the tensors, keep the names
         r.free()
     return rows
 
@@ -265,7 +265,7 @@ def bench_decode(r: Run, sz: dict, peak: float | None, block_size: int = 16) -> 
             log(f"[decode] B={B:3d} ctx={ctx:6d}  minfer {row.get('minfer_bw', float('nan')) / 1e12:5.2f} TB/s"
                 + (f" ({100 * frac:4.1f}% of peak)" if frac else "")
                 + f"  torch-sdpa(contiguous) {row.get('torch_sdpa_contiguous_bw', float('nan')) / 1e12:5.2f} TB/s")
-            del k_cache, v_cache, kc, vc
+            k_cache = v_cache = kc = vc = None  # (as above)
             r.free()
     return rows
 
@@ -318,8 +318,8 @@ def bench_w4a16(r: Run, sz: dict, group_sizes=(64, 128)) -> list[dict]:
                     f"TFLOP/s  bf16 {row.get('torch_bf16_matmul_tflops', float('nan')):7.2f}  x"
                     f"{row.get('speedup_vs_bf16', float('nan')):.2f} vs bf16, "
                     f"err {row.get('max_rel_err', float('nan')):.1e}")
-            del codes, scale, zero, qweight, sz_
-        del w
+            codes = scale = zero = qweight = sz_ = None  # (as above)
+        w = None
         r.free()
     return rows
 
@@ -439,8 +439,8 @@ def bench_graph_decode(r: Run, sz: dict, llm) -> list[dict]:
     eager rows run and the replay is skipped with its reason."""
     import torch
 
-    from minfer.cuda_graphs import CudaGraphRunner
     from minfer.attention import ForwardContext
+    from minfer.cuda_graphs import CudaGraphRunner
 
     worker = llm.llm_engine.worker
     model, backend, bs = worker.model, worker.backend, worker.block_size

@@ -63,7 +63,6 @@ def decode_cost(lengths, window=512, batch=8, heads=4, kv_heads=1, d=256, bs=16,
 
 
 def retrieval(filler_tokens: int, codes=("4817", "2093", "7352")):
-    import dataclasses
 
     from minfer import LLM, SamplingParams
 
@@ -82,7 +81,7 @@ def retrieval(filler_tokens: int, codes=("4817", "2093", "7352")):
         answers = []
         for code in codes:
             head = tok.encode(f"Remember this. The secret code is {code}.\n\n")
-            tail = tok.encode(f"\n\nQuestion: what is the secret code? Answer: The secret code is")[1:]
+            tail = tok.encode("\n\nQuestion: what is the secret code? Answer: The secret code is")[1:]
             ids = head + filler + tail
             o = llm.generate([ids], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0]
             answers.append({"code": code, "prompt_tokens": len(ids), "tokens_between_fact_and_question": len(filler) + len(tail),

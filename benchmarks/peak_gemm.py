@@ -8,6 +8,7 @@ ceiling is to what this CPU's float32 units give.
 import argparse
 import json
 import os
+
 import torch
 
 from minfer.bench import best_time

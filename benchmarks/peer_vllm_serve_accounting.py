@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import re
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -38,7 +37,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import peer_vllm_serve as pvs  # noqa: E402
+import peer_vllm_serve as pvs
 
 TICK = os.sysconf("SC_CLK_TCK")
 

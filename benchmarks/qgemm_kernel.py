@@ -65,9 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     from gguf.quants import quantize
 
     from minfer.cpu.gguf_matmul import gguf_matmul, pack_gguf, repack_blocks
+    from minfer.cpu.qgemm import ISAS, best_isa, pack, qgemm_unchecked
     from minfer.quantization.int4 import quantize_int4
     from minfer.quantization.int8 import quantize_int8
-    from minfer.cpu.qgemm import ISAS, best_isa, pack, qgemm_unchecked
 
     isas = [i for i in ("vnni", "avx2") if ISAS[i] <= ISAS[best_isa()]]
     out_rows = []

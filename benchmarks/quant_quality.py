@@ -62,8 +62,8 @@ def main(argv=None) -> int:
 
     from minfer import LLM
     from minfer.config import EngineArgs
-    from minfer.memory import weight_bytes
     from minfer.eval import greedy_agreement, greedy_tokens, perplexity
+    from minfer.memory import weight_bytes
     from minfer.quantize import quantize_model
 
     torch.set_num_threads(min(args.threads, os.cpu_count() or 1))

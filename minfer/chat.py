@@ -5,7 +5,6 @@ Also importable from `minfer.tokenizer`, which renders the template (`Tokenizer.
 
 from __future__ import annotations
 
-
 # Names the renderer passes itself: a chat_template_kwargs entry may not replace them
 _RESERVED_TEMPLATE_NAMES = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
                                       "continue_final_message", "tokenize", "chat_template", "return_dict",

@@ -55,12 +55,10 @@ SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 # The per-step token budget with chunked prefill (vLLM's `max_num_batched_tokens`), by device. The budget is what
 # bounds a running stream's gap between tokens: a step computes at most this many prompt tokens beside the
-# decodes. On an idle 2-core CPU a SmolLM2-135M float32 prompt token costs 1.46 ms in ~1,500-token steps, 1.66 ms
-# in 512-token steps and 2.03 ms in 256-token ones (oneDNN's GEMM loses efficiency on fewer rows; chapter 9b
-# §9b.12), so a 512-token step takes ~0.85 s, under the 2 s bound tests/test_no_stall.py holds streams to. In the
-# serving sweep of §9b.12, 512 gave the best throughput and TTFT of every budget (103.4 tok/s, TTFT 1.77 s,
-# TPOT 119 ms, against whole prompts' 96.0 tok/s, 3.35 s, 99 ms, and 256's 92.7 tok/s, 1.53 s, 141 ms). On a
-# GPU a 2,048-token chunk is milliseconds (vLLM's default for the LLM class).
+# decodes. On a CPU a smaller step costs more per token (oneDNN's GEMM loses efficiency on fewer rows) and a
+# larger one delays streams longer; 512 keeps a step of SmolLM2 on 2 cores under the 2 s bound
+# tests/test_no_stall.py holds streams to, and gave the best throughput and TTFT of the budgets measured in
+# chapter 9b §9b.12. On a GPU a 2,048-token chunk is milliseconds (vLLM's default for the LLM class).
 DEFAULT_CHUNK_BUDGET = {"cpu": 512, "cuda": 2048}
 
 
@@ -253,7 +251,7 @@ class EngineArgs:
         swap_space: CPU swap space for preempted sequences, GiB (0 = preempt by recompute only).
         max_num_seqs: most sequences in one step.
         max_num_batched_tokens: most tokens (prefill + decode) in one step; None = `default_max_num_batched_tokens`
-            (with chunked prefill: 256 on a CPU, 2048 on a GPU).
+            (with chunked prefill: 512 on a CPU, 2048 on a GPU; `DEFAULT_CHUNK_BUDGET`).
         enable_chunked_prefill: split long prompts into chunks that share steps with decodes (default True, as
             vLLM v1): a long prompt then delays running streams by one chunk's step, not by its whole prefill.
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes across requests.

@@ -29,7 +29,8 @@ import sys
 from dataclasses import asdict, dataclass
 
 # The shipped texts are shared data (`minfer.config`): calibration (`minfer.quantization`) reads them too.
-from minfer.config import SHIPPED_TEXTS as DATA, load_shipped_text as load_text  # noqa: E402,F401
+from minfer.config import SHIPPED_TEXTS as DATA
+from minfer.config import load_shipped_text as load_text
 
 
 def token_windows(ids: list[int], window: int, max_tokens: int | None = None) -> list[list[int]]:

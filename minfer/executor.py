@@ -30,6 +30,7 @@ from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import minfer.envs as envs
 from minfer.config import EngineArgs, verify_parallel_config
 from minfer.parallel.worker import ParallelWorker
 from minfer.worker import Worker
@@ -75,7 +76,7 @@ def _free_port() -> int:
 
 
 # Seconds the driver waits for a worker to load the model and answer "ready".
-STARTUP_TIMEOUT_S = float(os.environ.get("MINFER_WORKER_STARTUP_TIMEOUT_S", "600"))
+STARTUP_TIMEOUT_S = envs.MINFER_WORKER_STARTUP_TIMEOUT_S
 
 
 def make_executor(args: EngineArgs):
@@ -113,10 +114,10 @@ class MultiprocExecutor:
             ctrl = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1)
             # The control connections carry pickles, so they are authenticated (HMAC) with a shared key. On one
             # machine a key derived from the port will do; across machines the user must give a secret one.
-            key = os.environ.get("MINFER_DIST_AUTHKEY")
+            key = envs.MINFER_DIST_AUTHKEY
             if key is None and int(os.environ.get("LOCAL_WORLD_SIZE", world)) < world:
-                raise ValueError("a multi-node torchrun job needs MINFER_DIST_AUTHKEY set to the same secret on "
-                                 "every node (it authenticates the driver's control connections)")
+                raise ValueError("a multi-node torchrun job needs the same secret on every node in the environment "
+                                 "(envs.MINFER_DIST_AUTHKEY: it authenticates the driver's control connections)")
             authkey = (key or "minfer-" + os.environ["MASTER_PORT"]).encode()
             if rank != 0:
                 worker_loop(args, rank, init_method, _connect(ctrl, authkey))
@@ -132,7 +133,7 @@ class MultiprocExecutor:
             listener = Listener(("127.0.0.1", 0), authkey=authkey)
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(
                 [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
-                MINFER_CTRL_AUTHKEY=authkey.hex(), MINFER_CTRL_ADDR=f"127.0.0.1:{listener.address[1]}")
+                **envs.worker_control_environ(f"127.0.0.1:{listener.address[1]}", authkey))
             for rank in range(1, self.world):
                 self._procs[rank] = subprocess.Popen(
                     [sys.executable, "-c", f"from minfer.executor import worker_main; worker_main({rank})"], env=env)
@@ -345,8 +346,8 @@ def _connect(address: tuple[str, int], authkey: bytes, timeout: float = 120.0) -
 
 def worker_main(rank: int) -> None:
     """Entry point of a worker process the "mp" backend started: connect to the driver, then `worker_loop`."""
-    host, port = os.environ["MINFER_CTRL_ADDR"].rsplit(":", 1)
-    conn = _connect((host, int(port)), bytes.fromhex(os.environ["MINFER_CTRL_AUTHKEY"]))
+    host, port = envs.MINFER_CTRL_ADDR.rsplit(":", 1)
+    conn = _connect((host, int(port)), bytes.fromhex(envs.MINFER_CTRL_AUTHKEY))
     worker_loop(None, rank, None, conn)
 
 
@@ -358,7 +359,7 @@ def worker_loop(args: EngineArgs | None, rank: int, init_method: str | None, con
 
     from minfer.parallel.parallel_state import destroy_parallel, get_parallel_state, init_parallel
 
-    torch.set_num_threads(int(os.environ.get("MINFER_WORKER_THREADS", "1")))
+    torch.set_num_threads(envs.MINFER_WORKER_THREADS)
     conn.send(rank)
     received_args, received_init = conn.recv()
     args, init_method = args or received_args, init_method or received_init

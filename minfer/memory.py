@@ -15,6 +15,7 @@ import torch
 
 from minfer.config import DTYPES
 
+
 def dtype_bytes(dtype: str | torch.dtype) -> float:
     """Bytes per element of a dtype given as a torch dtype or a name ("bf16", "float32", "int8", ...).
 

@@ -27,20 +27,21 @@ model its `BuildOptions` (the `LinearMethod`, the fused ops); the worker takes t
 loaded model for the attention backend (`minfer.attention.get_attn_backend(..., platform=)`), the sampler and
 the step runner.
 
-Environment overrides, for tests and benchmarks only:
-    MINFER_LINEAR_LAYOUT   force a CPU Linear layout (nn | split | onednn | hybrid | panels) under "auto" (here)
-    MINFER_GGUF_ISA        force the integer GEMM's instruction set (scalar | avx2 | vnni; `minfer.cpu.qgemm`)
-    MINFER_MALLOC_TUNING   0 / false / no / off: leave glibc's malloc settings alone (`minfer.cpu.malloc`)
+Environment overrides, for tests and benchmarks only (`minfer.envs` documents them), are asked for here and
+nowhere else:
+    envs.MINFER_LINEAR_LAYOUT   force a CPU Linear layout (nn | split | onednn | hybrid | panels) under "auto"
+    envs.MINFER_GGUF_ISA        force the integer GEMM's instruction set (scalar | avx2 | vnni; `minfer.cpu.qgemm`)
+    envs.MINFER_MALLOC_TUNING   0 / false / no / off: leave glibc's malloc settings alone (`minfer.cpu.malloc`)
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
+import minfer.envs as envs
 from minfer.attention.base import AttentionBackend, PagedReferenceBackend
 from minfer.attention.torch_ref import ContiguousBackend, PagedTorchBackend
 from minfer.config import KERNELS
@@ -57,18 +58,18 @@ AttentionBackendCls = Callable[..., AttentionBackend]
 
 # -- environment overrides (tests and benchmarks) ------------------------------------------------------------
 def linear_layout_override() -> str | None:
-    """`MINFER_LINEAR_LAYOUT`, or None when unset."""
-    return os.environ.get("MINFER_LINEAR_LAYOUT") or None
+    """`envs.MINFER_LINEAR_LAYOUT`, or None when unset. Raises ValueError for a layout that does not exist."""
+    return envs.MINFER_LINEAR_LAYOUT
 
 
 def gguf_isa_override() -> str:
-    """`MINFER_GGUF_ISA` ("auto" when unset): the instruction set the integer GEMM is forced to."""
-    return os.environ.get("MINFER_GGUF_ISA", "auto")
+    """`envs.MINFER_GGUF_ISA` ("auto" when unset): the instruction set the integer GEMM is forced to."""
+    return envs.MINFER_GGUF_ISA
 
 
 def malloc_tuning_enabled() -> bool:
-    """False when `MINFER_MALLOC_TUNING` is 0 / false / no / off."""
-    return os.environ.get("MINFER_MALLOC_TUNING", "1").strip().lower() not in ("0", "false", "no", "off")
+    """False when `envs.MINFER_MALLOC_TUNING` is 0 / false / no / off."""
+    return envs.MINFER_MALLOC_TUNING
 
 
 # -- names the model layer may use -------------------------------------------------------------------------
@@ -96,14 +97,12 @@ def default_device() -> "torch.device":
     """The device a model goes to when none is named (the loader's default, and every notebook's `DEVICE`).
 
     In order: a rank of a tensor/pipeline-parallel job, the device `init_parallel` gave it (gloo ranks run on
-    the CPU even where a GPU is visible); env `MINFER_DEVICE` ("cpu", "cuda", "cuda:N"), so a notebook or a
+    the CPU even where a GPU is visible); `envs.MINFER_DEVICE` ("cpu", "cuda", "cuda:N"), so a notebook or a
     test can be pinned; otherwise "cuda" when torch sees a GPU, else "cpu".
 
     Raises:
-        ValueError: `MINFER_DEVICE` is not a device name, or names CUDA where torch finds none.
+        ValueError: `envs.MINFER_DEVICE` is not a device name, or names CUDA where torch finds none.
     """
-    import os
-
     import torch
 
     from minfer.parallel.parallel_state import get_parallel_state
@@ -111,15 +110,9 @@ def default_device() -> "torch.device":
     st = get_parallel_state()
     if st.world_size > 1:
         return st.device
-    env = os.environ.get("MINFER_DEVICE")
-    if env:
-        try:
-            dev = torch.device(env)
-        except RuntimeError as e:
-            raise ValueError(f"MINFER_DEVICE={env!r} is not a device name ('cpu', 'cuda', 'cuda:N')") from e
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"MINFER_DEVICE={env!r}, but this torch finds no CUDA device")
-        return dev
+    forced = envs.MINFER_DEVICE
+    if forced is not None:
+        return forced
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -230,21 +223,18 @@ class CpuPlatform(Platform):
     name = "cpu"
 
     def linear_method(self) -> LinearMethodBase:
-        """"nn" on the reference path; else `MINFER_LINEAR_LAYOUT` if set, "hybrid" for float32, or bfloat16 where
+        """"nn" on the reference path; else `envs.MINFER_LINEAR_LAYOUT` if set, "hybrid" for float32, or bfloat16 where
         oneDNN's bfloat16 product runs on this CPU (`onednn_supports`), "split" otherwise. Raises ValueError for a
         bad override.
 
-        bfloat16 took "split" (a batched matmul) until issue 18's profile of a bfloat16 server: there the
-        linears of a 16-row decode step ran at 6-52 GFLOP/s through `bmm`, oneDNN's packed bfloat16 product at
-        74-240 (`benchmarks/wave_profile.py`, chapter 9 §9.2.5)."""
+        bfloat16 goes to oneDNN's packed product where it runs: several times faster than a batched matmul
+        for the linears of a decode step (chapter 9b §9b.6)."""
         if self.reference:
             return UnquantizedLinearMethod()
-        from minfer.cpu.linear import LINEAR_METHODS, HybridLinearMethod, SplitLinearMethod, onednn_supports
+        from minfer.cpu.linear import HybridLinearMethod, SplitLinearMethod, onednn_supports
 
         forced = linear_layout_override()
         if forced:
-            if forced not in LINEAR_METHODS:
-                raise ValueError(f"MINFER_LINEAR_LAYOUT={forced!r}: use one of {', '.join(LINEAR_METHODS)}")
             return get_linear_method(forced)
         if onednn_supports(self.dtype):
             return HybridLinearMethod()

@@ -80,7 +80,7 @@ def check_rope(ctx: RecapContext) -> Evidence:
     r_spread = max(r) - min(r)
     a_spread = max(a) - min(a)
     lines = [f"RoPE score at (m, n) = {pairs}: " + ", ".join(f"{x:.5f}" for x in r),
-             f"absolute-embedding score at the same pairs: " + ", ".join(f"{x:.3f}" for x in a),
+             "absolute-embedding score at the same pairs: " + ", ".join(f"{x:.3f}" for x in a),
              f"spread: RoPE {r_spread:.1e}, absolute {a_spread:.2f}"]
     relative = r_spread < 1e-3 * max(1.0, max(abs(x) for x in r)) and a_spread > 1e-2
     return Evidence(supports=1 if relative else 0, lines=lines)

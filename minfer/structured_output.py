@@ -38,7 +38,7 @@ _LOCK = threading.Lock()
 def _llguidance():
     try:
         import llguidance
-        import llguidance.hf  # noqa: F401
+        import llguidance.hf
     except ImportError as exc:  # the optional dependency (pip install llguidance)
         raise ValueError("structured output needs llguidance: pip install llguidance "
                          "(or minfer's 'structured' extra)") from exc

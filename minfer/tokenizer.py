@@ -7,9 +7,9 @@ Tokenization and chat templates are not what minfer teaches, so they come from H
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+import minfer.envs as envs
 from minfer.chat import MAX_ROLE_CHARS, check_chat_template_kwargs, normalize_messages  # noqa: F401
 
 
@@ -87,13 +87,13 @@ def load_tokenizer(source, eos_token_ids: tuple = (), cache_dir: Path | None = N
     if source.kind == "hf":
         return Tokenizer(AutoTokenizer.from_pretrained(str(source.path)), eos_token_ids)
     cache = cache_dir
-    if cache is not None and (cache / "tokenizer_config.json").is_file() and os.environ.get("MINFER_NO_CACHE") != "1":
+    if cache is not None and (cache / "tokenizer_config.json").is_file() and not envs.MINFER_NO_CACHE:
         try:
             return Tokenizer(AutoTokenizer.from_pretrained(str(cache)), eos_token_ids)
         except Exception:
             pass  # rebuild below
     tok = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
-    if cache is not None and os.environ.get("MINFER_NO_CACHE") != "1":
+    if cache is not None and not envs.MINFER_NO_CACHE:
         try:
             tok.save_pretrained(str(cache))
         except OSError:

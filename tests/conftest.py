@@ -16,10 +16,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MPLBACKEND", "Agg")
 
-import threading  # noqa: E402
-from pathlib import Path  # noqa: E402
+import threading
+from pathlib import Path
 
-import pytest  # noqa: E402
+import pytest
 
 MEMORY_BUDGET_MB = 8192  # issue 28: the suite's process tree, at its peak
 

@@ -3,7 +3,8 @@
 It "generates" deterministic words (a function of the prompt, the completion index, the step and the seed),
 keeps a toy paged KV pool (one block per `block_size` tokens) so that tests can check blocks are freed, and
 validates requests the way the real engine does (an empty prompt, a prompt longer than `max_model_len` or one
-whose `max_tokens` does not fit after it, bad token ids raise `ValueError` before anything is queued). Use `FakeEngine(step_delay=...)` to slow steps down.
+whose `max_tokens` does not fit after it, bad token ids raise `ValueError` before anything is queued).
+Use `FakeEngine(step_delay=...)` to slow steps down.
 """
 
 from __future__ import annotations

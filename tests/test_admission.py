@@ -23,7 +23,6 @@ from minfer.tokenizer import normalize_messages
 from tests.conftest import needs_default_model
 from tests.test_block_manager import sched, step  # a scheduler over blocks of 4 tokens; one step, no model
 
-
 # -- item 2: stop strings -----------------------------------------------------------------------------------
 
 def test_stop_strings_are_capped_in_number_and_length():

@@ -11,7 +11,7 @@ from minfer.block_manager import BlockManager, NoFreeBlocksError, block_hash
 from minfer.sampling_params import SamplingParams
 from minfer.scheduler import Scheduler
 from minfer.sequence import Sequence, SequenceStatus
-from minfer.swap import SwapPreemption, SwappingBlockManager
+from minfer.swap import SwappingBlockManager, SwapPreemption
 
 BS = 4  # tokens per block in every test
 

@@ -18,7 +18,6 @@ import types
 
 import httpx
 import pytest
-import torch
 
 from minfer.config import MODEL_SIZE_BOUNDS
 from minfer.sampling_params import MAX_LOGIT_BIAS_TOKENS, MAX_STOP_TOKEN_IDS, SamplingParams
@@ -29,7 +28,7 @@ from minfer.serve.routes import build_app
 from tests.conftest import SHARED
 from tests.fake_engine import FakeEngine, FakeTokenizer
 from tests.serving import server_in_thread
-from tests.test_serve_admission import _read_response, rss_growth
+from tests.test_serve_admission import rss_growth
 
 MAX_MODEL_LEN = 256
 pytestmark = pytest.mark.timeout(180)

@@ -64,9 +64,8 @@ def record_step_path(llm, prompts, params) -> set[Path]:
 
 
 def _build_llm():
-    from tests.conftest import default_model_available
-
     from minfer import LLM
+    from tests.conftest import default_model_available
     if default_model_available():
         return LLM(max_model_len=256, seed=0, kernels="reference")
     if (SHARED / "stories260K.bin").exists():

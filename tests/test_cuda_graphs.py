@@ -16,8 +16,7 @@ import torch
 
 from minfer.attention import ForwardContext, PagedTorchBackend
 from minfer.attention.triton import TritonBackend
-from minfer.cuda_graphs import (CudaGraphRunner, StaticInputs, capturable, capture_batch_sizes, covers,
-                                padded_batch_size)
+from minfer.cuda_graphs import CudaGraphRunner, StaticInputs, capturable, capture_batch_sizes, covers, padded_batch_size
 from minfer.kernels import interpreter_active
 
 BLOCK = 4

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from minfer.attention.base import ForwardContext
-from minfer.generate import SimpleGenerator
 from minfer.cpu import decode_step as dl
+from minfer.cpu.qgemm import pack
+from minfer.generate import SimpleGenerator
 from minfer.model.loader import load_model
 from minfer.quantization.base import store
-from minfer.cpu.qgemm import pack
 from tests.conftest import needs_default_model
 from tests.test_llama import make_hf_model
 

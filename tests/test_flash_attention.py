@@ -12,11 +12,9 @@ import math
 import pytest
 import torch
 
-
-from minfer.kernels.flash_attention import flash_attn_varlen  # noqa: E402
-from minfer.kernels.reference import attention_reference, flash_attn_varlen_reference  # noqa: E402
-
-from minfer.kernels import interpreter_active  # noqa: E402
+from minfer.kernels import interpreter_active
+from minfer.kernels.flash_attention import flash_attn_varlen
+from minfer.kernels.reference import attention_reference, flash_attn_varlen_reference
 
 # CPU tensors only work under Triton's interpreter (set automatically when there is no GPU).
 DEVICES = (["cpu"] if interpreter_active() else []) + (["cuda"] if torch.cuda.is_available() else [])

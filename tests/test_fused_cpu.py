@@ -11,8 +11,8 @@ bit for bit, whatever the rows' count, address and thread split.
 import pytest
 import torch
 
-from minfer.generate import SimpleGenerator
 from minfer.cpu import fused_ops as fc
+from minfer.generate import SimpleGenerator
 from minfer.model.layers import RMSNorm, silu_and_mul
 from minfer.model.loader import load_model
 from minfer.model.positions import rotate_half_

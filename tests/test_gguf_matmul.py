@@ -12,8 +12,17 @@ import numpy as np
 import pytest
 import torch
 
-from minfer.cpu.gguf_matmul import (BLOCK, ISAS, KERNEL_TYPES, dequantize_blocks, gguf_kernel_available,
-                                             gguf_matmul, quantize_activations, reference_matmul, repack_blocks)
+from minfer.cpu.gguf_matmul import (
+    BLOCK,
+    ISAS,
+    KERNEL_TYPES,
+    dequantize_blocks,
+    gguf_kernel_available,
+    gguf_matmul,
+    quantize_activations,
+    reference_matmul,
+    repack_blocks,
+)
 from tests.conftest import needs_default_model
 
 needs_kernel = pytest.mark.skipif(not gguf_kernel_available(), reason="the C++ kernel does not build here")
@@ -129,8 +138,8 @@ def test_kernel_bad_input():
 def test_linear_method_blocks_route(ggml_type):
     """A q|k|v-style Linear of two parts keeps the file's bytes ("blocks" route) and computes the kernel's
     product; `weight_rows` (the tied embedding) gives gguf's rows exactly."""
-    from minfer.model.layers import Linear
     from minfer.cpu.linear import CpuQuantKernels
+    from minfer.model.layers import Linear
     from minfer.quantization.gguf import GGUFLinearMethod
 
     (raw_a, ref_a), (raw_b, ref_b) = _blocks(ggml_type, 16, 64, seed=1), _blocks(ggml_type, 16, 64, seed=2)

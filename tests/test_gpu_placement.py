@@ -20,8 +20,8 @@ import torch
 import minfer.parallel.parallel_state as ps
 import minfer.parallel.timeline as timeline
 from minfer.attention import PagedTorchBackend
-from minfer.platform import default_device, get_platform
 from minfer.parallel.parallel_state import ParallelState, init_parallel, place_rank, set_parallel_state
+from minfer.platform import default_device, get_platform
 
 
 @pytest.fixture

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from minfer import LLM, SamplingParams
+from minfer.attention.grouped import KVCacheGroup, KVCacheLayout, hybrid_layout
 from minfer.attention.torch_ref import visibility_mask
 from minfer.config import ModelConfig
-from minfer.attention.grouped import KVCacheGroup, KVCacheLayout, hybrid_layout
 from minfer.kv_cache_groups import HybridBlockManager
 from minfer.sampling_params import SamplingParams as SP
 from minfer.sequence import Sequence

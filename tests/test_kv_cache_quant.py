@@ -16,8 +16,8 @@ from minfer.attention.torch_ref import PagedTorchBackend, attend
 from minfer.config import EngineArgs, ModelConfig
 from minfer.kv_cache import KVCachePool
 from minfer.kv_cache_plan import bytes_per_block, determine_num_blocks
-from minfer.swap import SwappingKVCachePool
 from minfer.memory import kv_cache_bytes
+from minfer.swap import SwappingKVCachePool
 from tests.conftest import needs_default_model
 
 QUANTIZED = ["int8", "fp8", "fp8_e5m2"]
@@ -219,7 +219,6 @@ def quant_llms():
 def test_engine_equals_simple_path_with_quantized_kv(quant_llms, kv_cache_dtype):
     from minfer import SamplingParams
     from tests.test_engine import PROMPTS
-
     from tests.test_quant import assert_same_up_to_near_ties
 
     prompts = PROMPTS[:8]

@@ -32,7 +32,7 @@ PKG = ROOT / "minfer"
 
 # Plain data and formulas every step may use; they import only each other.
 SHARED = {"minfer.config", "minfer.sequence", "minfer.outputs", "minfer.sampling_params", "minfer.memory",
-          "minfer.request_params"}
+          "minfer.request_params", "minfer.envs"}
 # The seam that decides, once per worker, how this device runs a step (minfer/platform.py): every step may ask
 # it, and it reaches the CPU wing only inside its functions, for the step that asks.
 SEAM = {"minfer.platform", "minfer.extensions", "minfer.kv_cache_plan"}

@@ -6,9 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minfer.model.layers import Linear, TiedEmbedding, process_weights_after_loading
 from minfer.cpu.linear import LINEAR_METHODS, SplitLinearMethod, onednn_available, onednn_supports
-from minfer.model.layers import default_weight_loader
+from minfer.model.layers import Linear, TiedEmbedding, default_weight_loader, process_weights_after_loading
 from minfer.platform import get_linear_method, get_platform
 
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from minfer import memory
+from minfer.attention import ContiguousBackend
 from minfer.config import ModelConfig
 from minfer.kv_cache import KVCachePool
 from minfer.kv_cache_plan import bytes_per_block
 from minfer.swap import SwappingKVCachePool
-from minfer.attention import ContiguousBackend
 
 
 def tiny_config(layers=3, heads=4, kv_heads=2, head_dim=8, hidden=32) -> ModelConfig:

@@ -8,8 +8,17 @@ import pytest
 import torch
 
 from minfer.memory import kv_cache_bytes
-from minfer.parallel.mig import (GPUS_GB, MIG_PROFILES, MODELS, WEIGHT_BYTES, mig_table, num_parameters,
-                                 replica_bytes, replicas_per_slice, slice_bytes)
+from minfer.parallel.mig import (
+    GPUS_GB,
+    MIG_PROFILES,
+    MODELS,
+    WEIGHT_BYTES,
+    mig_table,
+    num_parameters,
+    replica_bytes,
+    replicas_per_slice,
+    slice_bytes,
+)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

@@ -16,8 +16,8 @@ import torch
 import transformers
 
 from minfer import LLM, SamplingParams
-from minfer.model.loader import load_model
 from minfer.generate import SimpleGenerator
+from minfer.model.loader import load_model
 from tests.conftest import SHARED, assert_logits_close
 
 TOKENIZER = SHARED / "models" / "stories260K" / "tok512.model"

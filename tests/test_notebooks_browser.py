@@ -50,7 +50,8 @@ def lab():
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip", "127.0.0.1", f"--port={port}",
-         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={ROOT / 'notebooks'}", "--allow-root", "--ContentsManager.allow_hidden=True",
+         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={ROOT / 'notebooks'}", "--allow-root",
+         "--ContentsManager.allow_hidden=True",
          f"--LabApp.workspaces_dir={scratch}", f"--LabApp.user_settings_dir={scratch}",
          "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)

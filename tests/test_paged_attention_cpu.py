@@ -10,8 +10,8 @@ import shutil
 import pytest
 import torch
 
-from minfer.cpu import attention as cpu
 from minfer.attention import Attention, ForwardContext, PagedTorchBackend, attend
+from minfer.cpu import attention as cpu
 from minfer.model.positions import alibi_slopes
 from tests.test_paged_torch_backend import _pool_and_tables
 
@@ -209,8 +209,8 @@ def test_contiguous_cache_decodes_with_the_kernel_like_the_reference(kv_cache_dt
 @needs_kernel
 def test_simple_path_takes_the_kernel_backend_on_a_float32_cpu_model(monkeypatch):
     from minfer.attention import ContiguousBackend
-    from minfer.generate import SimpleGenerator
     from minfer.config import ModelConfig
+    from minfer.generate import SimpleGenerator
     from minfer.model.llama import LlamaForCausalLM
 
     cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,

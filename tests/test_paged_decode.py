@@ -7,13 +7,13 @@ Tiny shapes: on a CPU the kernels run under Triton's interpreter. Tolerances as 
 import pytest
 import torch
 
-
-from minfer.kernels import flash_attn_varlen, store_kvcache  # noqa: E402
-from minfer.kernels.paged_decode import combine_splits, paged_attention_decode, paged_decode_splits  # noqa: E402
-from minfer.kernels.reference import (attention_reference, paged_attention_decode_reference,  # noqa: E402
-                                      store_kvcache_reference)
-
-from minfer.kernels import interpreter_active  # noqa: E402
+from minfer.kernels import (
+    flash_attn_varlen,
+    interpreter_active,
+    store_kvcache,
+)
+from minfer.kernels.paged_decode import combine_splits, paged_attention_decode, paged_decode_splits
+from minfer.kernels.reference import attention_reference, paged_attention_decode_reference, store_kvcache_reference
 
 # CPU tensors only work under Triton's interpreter (set automatically when there is no GPU).
 DEVICES = (["cpu"] if interpreter_active() else []) + (["cuda"] if torch.cuda.is_available() else [])

@@ -30,8 +30,13 @@ from minfer import LLM, SamplingParams
 from minfer.bench.parallel import save_random_llama
 from minfer.config import EngineArgs, ModelConfig, verify_parallel_config
 from minfer.model.layers import Linear
-from minfer.parallel.layers import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
-                                    VocabParallelEmbedding)
+from minfer.parallel.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from minfer.parallel.parallel_state import ParallelState, set_parallel_state
 from minfer.parallel.pipeline import split_micro_batches, stage_layers
 from minfer.parallel.timeline import bubble_fraction, gpipe_bubble

@@ -49,7 +49,10 @@ def test_plan_restarts_llama_server_per_concurrency_and_alternates_rounds():
 
 def test_server_commands():
     a = args("--concurrency", "1,16,64")
-    cmd = lambda name, slots=64: peer_serve.server_cmd(peer_serve.SERVERS[name], a, 8123, slots)[0]
+
+    def cmd(name, slots=64):
+        return peer_serve.server_cmd(peer_serve.SERVERS[name], a, 8123, slots)[0]
+
     vllm = cmd("vllm-f32")
     assert vllm[1:3] == ["serve", "/tmp/smollm2-hf"] and "--enforce-eager" not in vllm  # its default, compiled mode
     assert vllm[vllm.index("--max-num-seqs") + 1] == "64" and vllm[vllm.index("--dtype") + 1] == "float32"

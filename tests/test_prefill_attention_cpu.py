@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from minfer.cpu import attention as cpu
 from minfer.attention.torch_ref import attend
+from minfer.cpu import attention as cpu
 
 pytestmark = pytest.mark.skipif(cpu._prefill_library() is None, reason="the C++ kernel does not build here")
 

@@ -10,12 +10,11 @@ No model and no `BlockManager`: the tests hand the classes plain `Block`s and to
 
 import pytest
 
-from minfer.block_manager import Block
-from minfer.block_manager import WindowPolicy, first_visible_block
-from minfer.swap import SwapSpace
+from minfer.block_manager import Block, WindowPolicy, first_visible_block
 from minfer.prefix_cache import PrefixCache, block_hash
 from minfer.sampling_params import SamplingParams
 from minfer.sequence import Sequence
+from minfer.swap import SwapSpace
 
 BS = 4
 

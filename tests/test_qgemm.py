@@ -12,8 +12,17 @@ layout reads back; bad input.
 import pytest
 import torch
 
-from minfer.cpu.qgemm import (BLOCK, ISAS, dequantize_rows, pack, qgemm, qgemm_available,
-                                       quantize_activations, reference_matmul, unpack_rows)
+from minfer.cpu.qgemm import (
+    BLOCK,
+    ISAS,
+    dequantize_rows,
+    pack,
+    qgemm,
+    qgemm_available,
+    quantize_activations,
+    reference_matmul,
+    unpack_rows,
+)
 
 needs_kernel = pytest.mark.skipif(not qgemm_available(), reason="the C++ kernel does not build here")
 FORMATS = ["Q4_0", "Q4_1", "Q8_0", "int4-32", "int4-64", "int4-128", "int4-256", "int8"]

@@ -10,11 +10,16 @@ import torch
 import torch.nn.functional as F
 
 from minfer.cpu.linear import CpuQuantKernels
-from minfer.model.layers import Linear
-from minfer.model.layers import UnquantizedLinearMethod
+from minfer.model.layers import Linear, UnquantizedLinearMethod
 from minfer.quantization import get_quantization_method, parse_quantization_config
-from minfer.quantization.int4 import (Int4LinearMethod, dequantize_int4, int4pack_block, pack_int4, quantize_int4,
-                                      unpack_int4)
+from minfer.quantization.int4 import (
+    Int4LinearMethod,
+    dequantize_int4,
+    int4pack_block,
+    pack_int4,
+    quantize_int4,
+    unpack_int4,
+)
 from minfer.quantization.int8 import Int8LinearMethod, dequantize_int8, quantize_int8
 from tests.conftest import needs_default_model
 

@@ -17,8 +17,13 @@ from fastapi.testclient import TestClient
 
 from minfer.serve.guided import MAX_GUIDED_CHOICE_BYTES, MAX_GUIDED_CHOICES
 from minfer.serve.responses import (
-    ENTRY_OVERHEAD_BYTES, MAX_METADATA_KEY_CHARS, MAX_METADATA_PAIRS, MAX_METADATA_VALUE_CHARS, MAX_USER_CHARS,
-    ResponseStore)
+    ENTRY_OVERHEAD_BYTES,
+    MAX_METADATA_KEY_CHARS,
+    MAX_METADATA_PAIRS,
+    MAX_METADATA_VALUE_CHARS,
+    MAX_USER_CHARS,
+    ResponseStore,
+)
 from minfer.serve.routes import build_app
 from tests.fake_engine import FakeEngine
 

@@ -25,8 +25,14 @@ from minfer.serve.engine_loop import EngineLoop
 from minfer.serve.metrics import ServerMetrics
 from minfer.serve.protocol import APIError
 from minfer.serve.router import (
-    DPEngineClient, LeastOutstandingPolicy, PrefixAwarePolicy, RoundRobinPolicy, make_policy, num_replicas,
-    prefix_key)
+    DPEngineClient,
+    LeastOutstandingPolicy,
+    PrefixAwarePolicy,
+    RoundRobinPolicy,
+    make_policy,
+    num_replicas,
+    prefix_key,
+)
 from tests.fake_engine import FakeEngine
 from tests.serving import server_in_thread, stream_completion
 

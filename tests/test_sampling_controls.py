@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers.generation.logits_process import (MinNewTokensLengthLogitsProcessor,
-                                                    RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor)
+from transformers.generation.logits_process import (
+    MinNewTokensLengthLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+)
 
 from minfer import SamplingParams
 from minfer.sampling import Sampler, apply_logits_processors

@@ -23,7 +23,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -173,9 +172,10 @@ def test_engine_process_openmp_workers_spin_through_a_step(server):
     """The engine process gets GOMP_SPINCOUNT at exec (libgomp reads it when torch loads): 300000 from a server
     at normal priority, 100 from a niced one, never the API process's PASSIVE; unless the user chose a policy
     (chapter 9, section 9.2.3)."""
-    from minfer.serve.engine_client import ENGINE_CORE_SPINCOUNT, ENGINE_CORE_SPINCOUNT_NICED
+    from minfer.envs import ENGINE_CORE_SPINCOUNT, ENGINE_CORE_SPINCOUNT_NICED
 
-    if not os.environ.get("MINFER_OMP_DEFAULT"):
+    user_set = any(k in os.environ for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"))
+    if user_set and not os.environ.get("MINFER_OMP_DEFAULT"):
         pytest.skip("the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT: it is passed on unchanged")
     pid = _stats(server)["engine_pid"]
     env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")

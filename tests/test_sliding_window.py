@@ -15,8 +15,8 @@ import torch
 from minfer import LLM, SamplingParams
 from minfer.attention.torch_ref import visibility_mask
 from minfer.block_manager import BlockManager
-from minfer.sequence import Sequence
 from minfer.sampling_params import SamplingParams as SP
+from minfer.sequence import Sequence
 from tests.test_models_gpt2_bloom import hf_greedy, make_model, prompt
 
 

@@ -240,8 +240,8 @@ def test_matcher_in_error_aborts_only_its_request(tiny):
 
 
 def test_word_level_tokenizer_is_a_clear_error(tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers
     import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
     from minfer.structured_output import llg_tokenizer
 

@@ -16,7 +16,6 @@ import sys
 import pytest
 import torch
 
-
 from minfer.attention import Attention, ForwardContext, PagedTorchBackend
 from minfer.attention.triton import TritonBackend, window_size
 from minfer.kernels import interpreter_active

@@ -13,8 +13,14 @@ import torch
 from minfer.kernels import interpreter_active
 from minfer.kernels.reference import w4a16_reference
 from minfer.kernels.w4a16 import w4a16_matmul
-from minfer.quantization.int4 import (Int4LinearMethod, int4pack_block, pack_int4, pack_int4_blocked, quantize_int4,
-                                      unpack_int4)
+from minfer.quantization.int4 import (
+    Int4LinearMethod,
+    int4pack_block,
+    pack_int4,
+    pack_int4_blocked,
+    quantize_int4,
+    unpack_int4,
+)
 
 DEVICES = (["cpu"] if interpreter_active() else []) + (["cuda"] if torch.cuda.is_available() else [])
 

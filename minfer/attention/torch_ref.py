@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from minfer.attention.base import Attention, AttentionBackend, ForwardContext, attend, visibility_mask  # noqa: F401
+from minfer.attention.base import Attention, AttentionBackend, ForwardContext, attend, visibility_mask
 from minfer.attention.kv_quant import SCALE_DTYPE, KVCacheSpec, dequantize_kv, kv_cache_spec, quantize_kv, raw
-
 
 _attend_sequence = attend  # for the backends' class bodies, where `attend` is their own method
 

@@ -41,6 +41,7 @@ def run(model: str = "smollm2-135m-instruct", new_tokens: int = 64, repeats: int
     `quantization`, `llama_cpp` adds llama.cpp on the same file (if llama-cpp-python is installed; else the
     result says so). `transformers=False` leaves transformers out (its fields are then None)."""
     import os
+
     from transformers import AutoModelForCausalLM
 
     from minfer import LLM, SamplingParams

@@ -24,8 +24,8 @@ import json
 import torch
 
 from minfer.bench import best_time
-from minfer.model.layers import Linear
 from minfer.cpu.linear import SplitLinearMethod, onednn_available
+from minfer.model.layers import Linear
 from minfer.platform import get_linear_method
 
 MAX_ROWS = 4096  # a 4096-row step of SmolLM2's whole weight stack already needs ~3 GB of activations

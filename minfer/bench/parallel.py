@@ -6,7 +6,8 @@
   per point, what the gap is made of (`explain_gap`: unequal stages, the time between forwards).
 - Tensor parallelism: tokens/s at TP=1 and TP=N on the real model, the all-reduce time per token and its
   share of the forward (rank 0's wall clock inside `dist.all_reduce`, which includes waiting for the
-  slowest rank; on CUDA read after a device synchronize on both sides, `device_clock`), and what the same all-reduces (their measured count and size) would take on a GPU link,
+  slowest rank; on CUDA read after a device synchronize on both sides, `device_clock`), and what the same
+  all-reduces (their measured count and size) would take on a GPU link,
   computed for assumed NVLink and PCIe figures (stated as computed, not measured).
 
     python -m minfer.bench parallel [--stages 2,3,4] [--micro-batches 1,2,4,8] [--rows 8] [--json assets/benchmarks/parallel_cpu.json]

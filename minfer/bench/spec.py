@@ -70,8 +70,6 @@ def alpha_from_round_length(mean_tokens: float, k: int) -> float:
 
 
 def run(quick: bool = False, progress: bool = True) -> dict:
-    import torch
-
     from minfer import LLM, SamplingParams
     from minfer.bench.engine import environment
 

@@ -12,8 +12,10 @@ in about a second.
 
 `CpuPagedBackend` is `minfer.attention.torch_ref.PagedTorchBackend` with the decode part replaced, and its
 prefill (one sequence's causal attention) on `csrc/prefill_cpu.cpp` where that applies (`attend_prefill_cpu`:
-float32, no ALiBi or short window; chapter 9 §9.2.6), as `CpuContiguousBackend`'s. It also reads a quantized pool (`kv_cache_dtype` int8 / fp8, `minfer.attention.kv_quant`): the
-codes in place, with their per-token scales (`minfer_paged_decode_q8`). The engine uses it by default for float32 on the CPU when the kernel builds (`attention_backend="auto"`), and falls
+float32, no ALiBi or short window; chapter 9b §9b.8), as `CpuContiguousBackend`'s. It also reads a quantized
+pool (`kv_cache_dtype` int8 / fp8, `minfer.attention.kv_quant`): the codes in place, with their per-token scales
+(`minfer_paged_decode_q8`). The engine uses it by default for float32 on the CPU when the kernel builds
+(`attention_backend="auto"`), and falls
 back to the torch reference, with one warning, when it does not (no C++ compiler, no ninja, a platform
 whose compiler lacks OpenMP). `kernels="reference"` (`minfer.platform`) leaves it out.
 """

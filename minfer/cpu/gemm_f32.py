@@ -25,7 +25,6 @@ import torch
 
 from minfer.cpu.build import I32, I64, PTR, CppLibrary, KernelUnavailable
 
-
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 LANES = 16  # output features per panel
 

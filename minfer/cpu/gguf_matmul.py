@@ -27,16 +27,16 @@ many rows share the call or on the thread count (each row is computed by the sam
 order), so the engine's batched outputs equal its one-sequence ones.
 
 Built like the other CPU kernels (`minfer.cpu.build`), called through ctypes.
-`MINFER_GGUF_ISA` = `scalar`, `avx2` or `vnni` forces an instruction set (a CPU lacking it gets the best it
+`envs.MINFER_GGUF_ISA` = `scalar`, `avx2` or `vnni` forces an instruction set (a CPU lacking it gets the best it
 has), for measuring one path against another on one machine.
 """
 
 from __future__ import annotations
 
-
 import torch
 
 from minfer.cpu.build import I32, I64, PTR, CppLibrary, KernelUnavailable
+
 # One instruction-set numbering and one CPU probe for both kernels (their C++ choose a set the same way).
 from minfer.cpu.qgemm import ISAS, _isa_from_env, best_isa, quantize_activations  # noqa: F401
 
@@ -133,7 +133,7 @@ def gguf_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Ten
     Args:
         x: float `[T, K]` on the CPU (converted to contiguous float32), K a multiple of 32.
         qs, d, m: from `repack_blocks` (m None except for Q4_1). ggml_type: "Q4_0", "Q4_1" or "Q8_0".
-        isa: "auto" (default: MINFER_GGUF_ISA, else the best this CPU has), "scalar", "avx2", "vnni".
+        isa: "auto" (default: `envs.MINFER_GGUF_ISA`, else the best this CPU has), "scalar", "avx2", "vnni".
 
     Raises:
         GGUFKernelUnavailable: the kernel cannot be built here.

@@ -14,11 +14,10 @@ AVX-512 machine and an AVX2-only one each get code for their own instructions), 
 
 from __future__ import annotations
 
-
 import torch
 
-from minfer.quantization.gguf import dequantize_int8_group  # noqa: F401  (the same product, in torch)
 from minfer.cpu.build import I32, I64, PTR, CppLibrary, KernelUnavailable
+from minfer.quantization.gguf import dequantize_int8_group  # noqa: F401  (the same product, in torch)
 
 # No -ffast-math: the sums keep their order, so a row gives the same bits at any batch size.
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]

@@ -17,11 +17,11 @@
 - `"panels"` (float32): `[ceil(out/16), in, 16]`, run by minfer's own few-row kernel
   (`minfer.cpu.gemm_f32`): each 64-byte line of weights feeds the FMAs of up to 16 rows while the
   next lines are prefetched, so a decode step of 1-16 rows streams the weights once at close to the memory's
-  rate (chapter 9 §9.2.6: a 16-row step's linears 34 ms against oneDNN's 42, one row 20 ms against 33).
+  rate (faster than oneDNN's for 1 to 16 rows: chapter 9b §9b.6).
 - `"hybrid"` (the default for float32 and bfloat16 on a CPU with oneDNN): two copies, a few-row one ("panels"
   for float32 where its kernel builds, else "split") for up to 16 rows (one for "split"), and "onednn" for
   more. It stores the weights twice (2 x 540 MB for SmolLM2 in float32), the price of the fastest product at
-  every batch size; `MINFER_LINEAR_LAYOUT=split` (or `panels`) keeps one copy (an override for benchmarks,
+  every batch size; `envs.MINFER_LINEAR_LAYOUT`=split (or `panels`) keeps one copy (an override for benchmarks,
   read by `minfer.platform`).
 
 What a layout keeps beside the layer's `weight` parameter is its per-layer state, `layer.method_state`
@@ -179,7 +179,7 @@ class PanelLinearMethod(UnquantizedLinearMethod):
     kernel of `minfer.cpu.gemm_f32` (for any number of rows, but built for up to `max_rows`)."""
 
     name = "panels"
-    max_rows = 16  # the rows measured in the engine (a 16-row step's linears 34 ms against oneDNN's 42, §9.2.6)
+    max_rows = 16  # up to here it beats oneDNN's product in the engine (chapter 9b §9b.6)
 
     def process_weights_after_loading(self, layer: "Linear") -> None:
         self.repack(layer)

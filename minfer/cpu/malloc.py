@@ -5,18 +5,17 @@ gate|up output is 18 MB of float32). glibc serves blocks above its mmap threshol
 dynamically up to 32 MB as large blocks are freed) with a fresh `mmap`, and returns freed memory at the top of
 the heap to the kernel past its trim threshold; the next step's tensors then fault their pages in again,
 each page zeroed by the kernel. Fixing the mmap threshold at its maximum (32 MB) and the trim threshold high
-keeps that memory in the process: measured on issue 18's server workload (`benchmarks/wave_profile.py`, 48
-prompts of 192 tokens, 16 in flight, float32), prefill time 13.9 -> 12.5 s and 14.8 -> 13.0 s in two alternated
-pairs, system CPU time 5.4 -> 3.7 s and 4.9 -> 3.4 s, mean TTFT 12-16% lower (chapter 9 §9.2.6).
+keeps that memory in the process: less prefill time, less system CPU time and a lower TTFT on the serving
+workload of `benchmarks/wave_profile.py` (chapter 9b §9b.4 has the measurements).
 
 The cost: the process keeps its peak heap (what the largest step needed) instead of giving it back between
 steps; an engine that holds a KV pool of gigabytes anyway does not miss it. This is what vLLM's CPU backend
 gets by preloading tcmalloc (its installation guide's advice); minfer asks glibc instead of adding a library.
 
-`keep_freed_memory()` is called by the platform (`CpuPlatform.configure_allocator`) of a CPU engine's worker (offline `LLM` and the server's engine
-process). It changes nothing where the user set glibc's own variables (`MALLOC_MMAP_THRESHOLD_`,
+`keep_freed_memory()` is called by the platform (`CpuPlatform.configure_allocator`) of a CPU engine's worker
+(offline `LLM` and the server's engine process). It changes nothing where the user set glibc's own variables (`MALLOC_MMAP_THRESHOLD_`,
 `MALLOC_TRIM_THRESHOLD_`, or a `glibc.malloc.*` tunable in `GLIBC_TUNABLES`: theirs win), where
-`MINFER_MALLOC_TUNING` is 0 (or false / no / off), or off glibc.
+`envs.MINFER_MALLOC_TUNING` is 0 (or false / no / off), or off glibc.
 """
 
 from __future__ import annotations
@@ -24,6 +23,8 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+
+import minfer.envs as envs
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 M_MMAP_THRESHOLD = -3
@@ -36,11 +37,11 @@ _done = False
 def keep_freed_memory() -> bool:
     """Set glibc's mmap and trim thresholds (module docstring), once per process. Returns True when they are
     set (now or by an earlier call), False where it leaves malloc as it is (another libc, the user's own
-    settings, `MINFER_MALLOC_TUNING` off)."""
+    settings, `envs.MINFER_MALLOC_TUNING` off)."""
     global _done
     if _done:
         return True
-    if os.environ.get("MINFER_MALLOC_TUNING", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not envs.MINFER_MALLOC_TUNING:
         return False
     if not sys.platform.startswith("linux"):
         return False

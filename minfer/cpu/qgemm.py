@@ -20,17 +20,17 @@ and the three instruction-set paths give the same bits (they do the same float o
 approximation against a dequantize-then-matmul is the activations' rounding to 8 bits per block of 32
 (`reference_matmul` is the same arithmetic in float64; tests/test_qgemm.py bounds both).
 
-`MINFER_GGUF_ISA` = `scalar`, `avx2` or `vnni` (read here at each call, for tests and benchmarks) forces an
+`envs.MINFER_GGUF_ISA` = `scalar`, `avx2` or `vnni` (read at each call, for tests and benchmarks) forces an
 instruction set (a CPU lacking it gets the best it has).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
+import minfer.envs as envs
 from minfer.cpu.build import I32, I64, PTR, CppLibrary, KernelUnavailable
 
 # No -march=native: the AVX2 and VNNI functions carry their own target attributes and are chosen at run time.
@@ -61,7 +61,7 @@ def best_isa() -> str:
 
 
 def active_isa() -> str:
-    """The instruction set a call runs here: `MINFER_GGUF_ISA` when it forces one this CPU has, else the best
+    """The instruction set a call runs here: `envs.MINFER_GGUF_ISA` when it forces one this CPU has, else the best
     (the kernel's own rule: a forced set the CPU lacks gets the best it has)."""
     forced, best = _isa_from_env(), _library().minfer_qgemm_best_isa()
     return ISA_NAMES[forced if 0 < forced <= best else best]
@@ -211,10 +211,10 @@ def reference_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
 
 
 def _isa_from_env() -> int:
-    """The forced instruction set's number (0: auto): `MINFER_GGUF_ISA` ("auto" when unset)."""
-    name = os.environ.get("MINFER_GGUF_ISA", "auto")
+    """The forced instruction set's number (0: auto): `envs.MINFER_GGUF_ISA` ("auto" when unset)."""
+    name = envs.MINFER_GGUF_ISA
     if name not in ISAS:
-        raise ValueError(f"MINFER_GGUF_ISA must be one of {sorted(ISAS)}, got {name!r}")
+        raise ValueError(f"the forced instruction set must be one of {sorted(ISAS)}, got {name!r}")
     return ISAS[name]
 
 
@@ -222,7 +222,7 @@ def qgemm(x: torch.Tensor, w: PackedWeight, isa: str | None = None) -> torch.Ten
     """`x [T, K]` times the packed weight `[N, K]`, transposed: float32 `[T, N]`.
 
     Args:
-        x: float `[T, K]` on the CPU (converted to contiguous float32). isa: "auto" (default: MINFER_GGUF_ISA,
+        x: float `[T, K]` on the CPU (converted to contiguous float32). isa: "auto" (default: `envs.MINFER_GGUF_ISA`,
             else the best this CPU has), "scalar", "avx2" or "vnni".
     Raises:
         QGemmUnavailable: the kernel cannot be built here. ValueError: x of another width or device, an

@@ -19,11 +19,9 @@ reproducible and independent of the batch, yet differ from the torch Sampler's.
 
 from __future__ import annotations
 
-
 import torch
 
 from minfer.cpu.build import I32, I64, PTR, CppLibrary, KernelUnavailable
-
 from minfer.sampling import Sampler, apply_logits_processors
 
 # -ffast-math lets gcc vectorize the exp loops (glibc's libmvec); -inf only meets comparisons, never math.

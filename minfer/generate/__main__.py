@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from minfer.config import DEFAULT_MODEL
 from minfer import LLM
+from minfer.config import DEFAULT_MODEL
 from minfer.sampling_params import SamplingParams
 from minfer.sequence import validate_prompt
 

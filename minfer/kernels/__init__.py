@@ -3,13 +3,19 @@
 Every kernel has a plain-torch twin in `minfer.kernels.reference`; the tests compare the two.
 
 On a machine without CUDA the kernels still run: Triton's interpreter executes them with numpy on the CPU
-(slow, but exact enough to test and to read). Triton reads `TRITON_INTERPRET=1` when it is first imported,
-so `minfer/__init__.py` (which runs before any module of the package) sets it; this package only asks.
+(slow, but exact enough to test and to read). Triton reads `TRITON_INTERPRET=1` as each kernel is decorated,
+so this package selects the interpreter (`envs.triton_interpreter_environ`, on a machine without CUDA) before
+its modules import triton; importing `minfer` alone sets nothing.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+
+import minfer.envs as envs
+
+os.environ.update(envs.triton_interpreter_environ())  # before the modules below import triton
 
 from .cache import store_kvcache
 from .flash_attention import flash_attn_varlen, interpreter_active
@@ -20,8 +26,8 @@ from .paged_decode import combine_splits, paged_attention_decode, paged_decode_s
 def _reinterpret_triton_language() -> int:
     """Make Triton's own library functions (tl.sum, tl.max, ...) runnable under the CPU interpreter.
 
-    `minfer/__init__.py` sets TRITON_INTERPRET=1 when there is no CUDA, but Triton only honours it for
-    functions decorated afterwards. A program that built a torch module before importing minfer (building
+    This package sets TRITON_INTERPRET=1 when there is no CUDA, but Triton only honours it for functions
+    decorated afterwards. A program that built a torch module before importing minfer (building
     one under a device context imports torch._dynamo, which imports triton) has triton.language's helpers
     as compiled-mode JITFunctions, and every kernel would fail with "Cannot call @triton.jit'd outside of
     the scope of a kernel". Re-wrap them as interpreted functions, once, here. Returns how many were

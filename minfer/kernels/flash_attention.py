@@ -23,11 +23,12 @@ dequantized on load, `code * scale` rounded to q's dtype as the torch reference 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+import minfer.envs as envs
 
 # exp(x) = 2^(x * log2(e)): the kernel folds log2(e) into the softmax scale and uses exp2, which maps to
 # one hardware instruction (the FA2 paper and the Triton tutorial do the same).
@@ -203,9 +204,9 @@ def check_kv_scales(k_cache, v_cache, k_scale, v_scale, what: str) -> None:
 
 
 def interpreter_active() -> bool:
-    """True when Triton runs kernels with its CPU interpreter (TRITON_INTERPRET=1, set by minfer/__init__.py
-    when there is no CUDA)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton runs kernels with its CPU interpreter (TRITON_INTERPRET=1, set by `minfer.kernels`
+    when there is no CUDA: `envs.triton_interpreter_environ`)."""
+    return envs.triton_interpreter()
 
 
 def dot_in_fp32(dtype: torch.dtype) -> bool:
@@ -234,9 +235,9 @@ _flash_attn_varlen_autotuned = triton.autotune(
 
 
 def autotune_enabled() -> bool:
-    """GPU launches autotune unless MINFER_AUTOTUNE=0 (the tests set it: they compile many variants and
+    """GPU launches autotune unless `envs.MINFER_AUTOTUNE`=0 (the tests set it: they compile many variants and
     timing five tile shapes for each would dominate their run time)."""
-    return os.environ.get("MINFER_AUTOTUNE", "1") != "0"
+    return envs.MINFER_AUTOTUNE
 
 
 def _default_gpu_config(head_dim: int, dtype: torch.dtype) -> dict:
@@ -348,7 +349,7 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         grid = (triton.cdiv(max_seqlen_q, INTERPRET_BLOCK_M), num_heads, batch)
         _flash_attn_varlen_kernel[grid](*args, BLOCK_M=INTERPRET_BLOCK_M, BLOCK_N=INTERPRET_BLOCK_N, **meta)
     elif not q.is_cuda:
-        raise ValueError("CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing minfer")
+        raise ValueError("CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing minfer.kernels")
     elif autotune_enabled():
         grid = lambda META: (triton.cdiv(max_seqlen_q, META["BLOCK_M"]), num_heads, batch)  # noqa: E731
         _flash_attn_varlen_autotuned[grid](*args, **meta)

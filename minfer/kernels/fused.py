@@ -16,7 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-
 # --------------------------------------------------------------------------------------------------------
 # RMSNorm and residual-add + RMSNorm
 

@@ -247,7 +247,7 @@ def paged_decode_splits(q, k_cache, v_cache, block_table, context_lens, num_spli
     if interpreter_active():
         _paged_decode_split_kernel[grid](*args, BLOCK_N=INTERPRET_BLOCK_N, **meta)
     elif not q.is_cuda:
-        raise ValueError("CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing minfer")
+        raise ValueError("CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing minfer.kernels")
     elif autotune_enabled():
         _paged_decode_split_autotuned[grid](*args, **meta)
     else:

@@ -157,7 +157,7 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch
         b = INTERPRET_BLOCKS
         _w4a16_kernel[(triton.cdiv(m, b["BLOCK_M"]), triton.cdiv(n, b["BLOCK_N"]))](*args, **b, **meta)
     elif not x.is_cuda:
-        raise ValueError("CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing minfer")
+        raise ValueError("CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing minfer.kernels")
     elif autotune_enabled():
         grid = lambda META: (triton.cdiv(m, META["BLOCK_M"]), triton.cdiv(n, META["BLOCK_N"]))  # noqa: E731
         _w4a16_autotuned[grid](*args, **meta)

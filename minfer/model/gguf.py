@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -20,9 +19,9 @@ from typing import Iterable, Iterator
 import torch
 from tqdm.auto import tqdm
 
+import minfer.envs as envs
 from minfer.config import ModelConfig
 from minfer.model.registry import architecture_for_gguf, config_from_hf
-
 
 # llama.cpp's tensor names -> Hugging Face's (blk.N.<base>.<kind> -> model.layers.N.<hf>.<kind>).
 GGUF_TO_HF_NAMES = {
@@ -163,14 +162,14 @@ def iter_gguf(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("MINFER_CACHE", Path.home() / ".cache" / "minfer"))
+    return envs.MINFER_CACHE
 
 
 def gguf_cache_path(path: Path) -> Path:
     """Where the dequantized float32 weights of a GGUF file are cached (keyed by path, size, mtime).
 
     Dequantizing takes seconds; every later load of the same file maps the cached safetensors instead.
-    Set MINFER_CACHE to move the cache, MINFER_NO_CACHE=1 to disable it.
+    Set `envs.MINFER_CACHE` to move the cache, `envs.MINFER_NO_CACHE`=1 to disable it.
     """
     st = path.stat()
     key = hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
@@ -189,7 +188,7 @@ def load_gguf(path: Path, max_workers: int | None = None) -> tuple[ModelConfig, 
     from safetensors.torch import load_file, save_file
 
     cache = gguf_cache_path(path)
-    use_cache = os.environ.get("MINFER_NO_CACHE") != "1"
+    use_cache = not envs.MINFER_NO_CACHE
     if use_cache and (cache / "model.safetensors").is_file() and (cache / "minfer_config.json").is_file():
         try:
             meta = json.loads((cache / "minfer_config.json").read_text())

@@ -22,8 +22,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-
 # -- the LinearMethod seam ----------------------------------------------------------------------------------
 # How a `Linear` stores its weight and computes y = x W^T + b (vLLM's `LinearMethodBase`, gpt-fast's swapped
 # linears).

@@ -20,15 +20,18 @@ from tqdm.auto import tqdm
 from minfer.config import DEFAULT_MODEL, MODEL_DTYPES, ModelConfig, torch_dtype
 from minfer.memory import physical_memory_bytes
 from minfer.model.gguf import load_gguf, load_gguf_blocks
-from minfer.model.layers import BuildOptions, process_weights_after_loading
-from minfer.model.layers import LinearMethodBase, default_weight_loader
+from minfer.model.layers import BuildOptions, LinearMethodBase, default_weight_loader, process_weights_after_loading
 from minfer.model.registry import config_from_hf, model_class
-from minfer.parallel.parallel_state import get_parallel_state
 from minfer.model.sources import ModelSource, resolve_model
+from minfer.parallel.parallel_state import get_parallel_state
 from minfer.platform import Platform, default_device, get_platform
 from minfer.quantization import get_quantization_method
-from minfer.quantization.checkpoint import (SAVED_METHODS, PrequantizedLinearMethod, read_quantization_config,
-                                            unpack_checkpoint)
+from minfer.quantization.checkpoint import (
+    SAVED_METHODS,
+    PrequantizedLinearMethod,
+    read_quantization_config,
+    unpack_checkpoint,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -23,8 +23,13 @@ import types
 import torch
 from torch import nn
 
-from minfer.parallel.layers import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
-                                    VocabParallelEmbedding)
+from minfer.parallel.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from minfer.parallel.parallel_state import get_parallel_state
 from minfer.parallel.pipeline import stage_layers
 

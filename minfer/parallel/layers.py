@@ -21,10 +21,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minfer.model.layers import Linear
-from minfer.model.layers import LinearMethodBase, default_weight_loader
-from minfer.parallel.parallel_state import (get_parallel_state, tensor_model_parallel_all_gather,
-                                            tensor_model_parallel_all_reduce)
+from minfer.model.layers import Linear, LinearMethodBase, default_weight_loader
+from minfer.parallel.parallel_state import (
+    get_parallel_state,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
 
 
 def divide(n: int, d: int, what: str) -> int:

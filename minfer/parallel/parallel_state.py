@@ -23,6 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+import minfer.envs as envs
 from minfer.parallel.timeline import device_clock
 
 logger = logging.getLogger("minfer.parallel")
@@ -94,9 +95,9 @@ def get_parallel_state() -> ParallelState:
 
 
 def timeout_s() -> float:
-    """Seconds a collective may wait before torch.distributed gives up (env `MINFER_DIST_TIMEOUT_S`, default
+    """Seconds a collective may wait before torch.distributed gives up (`envs.MINFER_DIST_TIMEOUT_S`, default
     120): a rank that died mid-step makes the others fail after at most this long instead of hanging."""
-    return float(os.environ.get("MINFER_DIST_TIMEOUT_S", "120"))
+    return envs.MINFER_DIST_TIMEOUT_S
 
 
 def place_rank(world: int, rank: int, backend: str | None = None, local_rank: int | None = None,

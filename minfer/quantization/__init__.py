@@ -13,11 +13,15 @@
 
 from __future__ import annotations
 
-from minfer.model.layers import LinearMethodBase
-
 # The names and the validation live in `minfer.config` (shared data, which every layer may read).
-from minfer.config import (CONFIG_KEYS, INT4_GROUP_SIZES, NOT_BUILT_METHODS, QUANTIZATION_METHODS,  # noqa: F401
-                           parse_quantization_config)
+from minfer.config import (  # noqa: F401
+    CONFIG_KEYS,
+    INT4_GROUP_SIZES,
+    NOT_BUILT_METHODS,
+    QUANTIZATION_METHODS,
+    parse_quantization_config,
+)
+from minfer.model.layers import LinearMethodBase
 
 
 def get_quantization_method(quantization: str, config: dict | str | None,

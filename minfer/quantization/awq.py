@@ -30,7 +30,6 @@ from __future__ import annotations
 import torch
 
 
-
 def fake_quantize(w: torch.Tensor, group_size: int, bits: int = 4) -> torch.Tensor:
     """Min-max group-wise quantize-dequantize of `w [out, in]`, float32: the saved format's rounding
     (`formats.affine_params` + `quantize_affine`, scale rounded to float16), in float ops only, since the

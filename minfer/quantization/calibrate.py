@@ -138,7 +138,7 @@ def calibrate(model, samples: list[list[int]], method: str, group_size: int, bit
         for h in hooks:
             h.remove()
         xs = {name: torch.cat(v) for name, v in inputs.items()}
-        del inputs
+        inputs = None  # the hooks' closures hold the name: this frees the layer's inputs
 
         if method == "awq":
             rows = torch.randperm(xs["self_attn.qkv_proj"].shape[0], generator=gen)[:max_rows]

@@ -70,8 +70,7 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, bits: int =
     if k % group_size or h.shape != (k, k):
         raise ValueError(f"gptq: weight {tuple(w.shape)}, Hessian {tuple(h.shape)}, group_size {group_size}")
     # The column loop is thousands of small ops: with more than one CPU thread each pays a thread barrier,
-    # which on a busy machine costs more than the arithmetic (measured: a 3072x576 weight took 2.1 s on one
-    # thread and 36.7 s on two, at a load average of 19 on 2 cores). So it runs on one thread.
+    # which on a busy machine costs far more than the arithmetic. So it runs on one thread.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

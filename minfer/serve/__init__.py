@@ -22,6 +22,13 @@ Split as vLLM's `vllm/entrypoints/openai/`, one job a module, in the order a req
 - `ServerMetrics`: the Prometheus metrics (`metrics.py`).
 """
 
+import minfer.envs as envs
+
+# The process `python -m minfer.serve` started runs this before anything imports torch (`__main__` comes
+# after its package): its OpenMP threads must know how to wait before torch loads libgomp.
+if envs.started_as_server():
+    envs.configure_process("api_server")
+
 from minfer.serve.engine_client import EngineView, InprocClient, MPEngineClient
 from minfer.serve.engine_loop import EngineLoop
 from minfer.serve.limits import ServerLimits

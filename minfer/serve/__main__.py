@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import re
 import sys
 from dataclasses import fields
 
+import minfer.envs as envs
 from minfer.config import ATTENTION_BACKENDS, DEFAULT_CHUNK_BUDGET, DEFAULT_MODEL, KERNELS, EngineArgs
 from minfer.serve.engine_client import ENGINE_HEARTBEAT_TIMEOUT
 from minfer.serve.limits import ServerLimits
@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m minfer.serve",
         description="Serve a model with an OpenAI-compatible API (flags named as vLLM's).",
+        epilog="OpenMP: unless OMP_WAIT_POLICY or GOMP_SPINCOUNT is set, this process sets OMP_WAIT_POLICY=PASSIVE "
+               f"as it starts and its engine process GOMP_SPINCOUNT={envs.ENGINE_CORE_SPINCOUNT} "
+               f"({envs.ENGINE_CORE_SPINCOUNT_NICED} when niced); `import minfer` sets nothing.\n"
+               "Environment variables (minfer.envs):\n" + envs.help_text(),
         formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, max_help_position=44, width=160))
     d = _DEFAULTS
     a = p.add_argument
@@ -63,9 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="name(s) clients use in 'model' (default: the --model value)")
     a("--host", default="127.0.0.1", metavar="ADDR", help="address to listen on (default: 127.0.0.1)")
     a("--port", type=_port, default=8000, metavar="N", help="TCP port (default: 8000)")
-    a("--api-key", default=os.environ.get("MINFER_API_KEY"), metavar="KEY",
+    a("--api-key", default=envs.MINFER_API_KEY, metavar="KEY",
       help="require 'Authorization: Bearer KEY' on every route but /health, /metrics and the demo page / "
-           "(default: none; env MINFER_API_KEY)")
+           "(default: none; the environment's key, listed below)")
     a("--tensor-parallel-size", "-tp", type=int, metavar="N", default=d["tensor_parallel_size"],
       help=f"ranks (GPUs, or CPU processes) to split each layer over by heads (default: {d['tensor_parallel_size']})")
     a("--pipeline-parallel-size", "-pp", type=int, metavar="N", default=d["pipeline_parallel_size"],
@@ -91,11 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
            "int8/int4 are the article's names, not vLLM's: vLLM's methods are awq, gptq, fp8, ... (default: none)")
     a("--quantization-config", default=None, metavar="JSON",
       help='the method\'s settings as a JSON object, e.g. \'{"group_size": 64}\' for int4 (default: none)')
-    a("--kv-cache-dtype", default=d["kv_cache_dtype"], metavar="DTYPE", help="how the KV pool stores K/V: auto (the model's dtype), float32, bfloat16, "
-                                                            "float16, int8, fp8 (= fp8_e4m3), fp8_e5m2 (8-bit ones with a "
-                                                            "scale per token and head); the article's short names fp16/"
-                                                            "bf16 and int8 are not vLLM's values "
-                                                            f"(default: {d['kv_cache_dtype']})")
+    a("--kv-cache-dtype", default=d["kv_cache_dtype"], metavar="DTYPE",
+      help="how the KV pool stores K/V: auto (the model's dtype), float32, bfloat16, "
+           "float16, int8, fp8 (= fp8_e4m3), fp8_e5m2 (8-bit ones with a "
+           "scale per token and head); the article's short names fp16/"
+           "bf16 and int8 are not vLLM's values "
+           f"(default: {d['kv_cache_dtype']})")
     a("--block-size", type=int, metavar="N", default=d["block_size"], help=f"tokens per KV block (tokens; default: {d['block_size']})")
     a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d["enable_prefix_caching"],
       help=f"reuse KV blocks of shared prompt prefixes (default: {d['enable_prefix_caching']})")

@@ -47,6 +47,7 @@ import time
 from collections import deque
 from types import SimpleNamespace
 
+import minfer.envs as envs
 from minfer.serve.engine_loop import EngineLoop, OutputSnapshot, RequestSnapshot
 from minfer.serve.metrics import ServerMetrics
 from minfer.serve.protocol import APIError
@@ -102,36 +103,13 @@ class _Route:
         self.added = False  # "added" was posted: a later failure is "fatal"; before it (or a job), "error"
 
 
-# How long the engine process's OpenMP workers spin before they sleep (libgomp's GOMP_SPINCOUNT), chosen by the
-# server's own priority. The engine process runs the forward and little else; at normal priority its workers
-# stay awake across a whole step, as vLLM's CPU workers do: 300000 is libgomp's own default, about 0.3-1.5 ms
-# here. Measured on the 192/48-token serving workload with niced jobs on both cores: 10000 spins (minfer's
-# offline choice, minfer/__init__.py), 95.0 output tok/s and 1,767 sleeps of the OpenMP worker in 24 s;
-# 300000, 97.6 tok/s and 16 sleeps. A niced server is a background job among others of its priority, and
-# there a spinning worker burns the slices its own threads need: the 32-stream test of
-# tests/test_serve_engine_process.py at nice 19 beside other niced jobs took 20 s with 100 spins, 56 s with
-# 10000 and 58 s with 300000 (chapter 9, section 9.2.3). The API process keeps OMP_WAIT_POLICY=PASSIVE.
-ENGINE_CORE_SPINCOUNT = "300000"
-ENGINE_CORE_SPINCOUNT_NICED = "100"
-
-
-def engine_core_spincount() -> str:
-    """GOMP_SPINCOUNT for an engine process started from this one: short when this process is niced."""
-    return ENGINE_CORE_SPINCOUNT_NICED if os.getpriority(os.PRIO_PROCESS, 0) > 0 else ENGINE_CORE_SPINCOUNT
-
-
 @contextlib.contextmanager
 def _engine_core_environ():
-    """os.environ for the engine process while it is spawned (spawn copies it at start; libgomp reads it when
-    the child imports torch). Only where minfer chose the wait policy (`MINFER_OMP_DEFAULT`): a user's own
-    OMP_WAIT_POLICY or GOMP_SPINCOUNT is passed on unchanged."""
-    if not os.environ.get("MINFER_OMP_DEFAULT"):
-        yield
-        return
-    saved = {k: os.environ.get(k) for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "MINFER_OMP_DEFAULT")}
-    for k in saved:
-        os.environ.pop(k, None)
-    os.environ["GOMP_SPINCOUNT"] = engine_core_spincount()  # no MINFER_OMP_DEFAULT: the child keeps it as given
+    """os.environ while the engine process is spawned (spawn copies it at start; libgomp reads it when the
+    child imports torch): the engine process's OpenMP wait policy (`envs.configure_process("engine_core")`),
+    this process's own restored afterwards."""
+    saved = {k: os.environ.get(k) for k in envs.OMP_VARIABLES}
+    envs.configure_process("engine_core")
     try:
         yield
     finally:

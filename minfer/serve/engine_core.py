@@ -445,10 +445,8 @@ def core_main(engine_args, input_addr: str, output_addr: str, test_slow_step_s: 
                 stats=stats_dict(engine.stats()), default_sampling_params=engine.default_sampling_params)
     out.send(pack(["ready", pickle.dumps(info)]))
     # The loop runs in this thread, the one that built the engine, so that the process has one OpenMP team.
-    # libgomp keeps a pool of workers per thread that starts parallel regions; with the model loaded here and
-    # the loop in a second thread there were two (more threads than the 2 cores), and when it manages more
-    # threads than there are CPUs libgomp spins only 100 iterations before a waiting worker sleeps, whatever
-    # GOMP_SPINCOUNT says. The worker then slept ~350 times per step and had to be woken each time, behind
-    # any other process on its core: measured on this workload under niced background load, 1.34 of the 2
-    # cores used and 78-91 output tok/s, against 1.83 cores and 97.6 tok/s with one team (chapter 9, 9.2.3).
+    # libgomp keeps a pool of workers per thread that starts parallel regions; a loop in a second thread would
+    # make two (more threads than the cores), and when it manages more threads than there are CPUs libgomp
+    # spins only 100 iterations before a waiting worker sleeps, whatever GOMP_SPINCOUNT says: the worker
+    # would sleep and be woken hundreds of times per step (chapter 9b §9b.11 has the measurements).
     EngineCore(engine, inp, out, test_slow_step_s=test_slow_step_s).run()

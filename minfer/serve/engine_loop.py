@@ -6,7 +6,8 @@ hands each step's outputs to the asyncio queue of the HTTP request that asked fo
 (`loop.call_soon_threadsafe`). A request the engine rejects (`ValueError` from `add_request`) gets its error
 back on its own queue; the loop goes on. A failure that ends the engine (`WorkerDiedError`: a tensor- or
 pipeline-parallel worker died, seen by a step or, while idle, by `engine.check_health()` once a second) ends
-the loop: every request in flight, queued or sent later gets a 503 at once, and /health answers 503. A job (`run_when_idle`: beam search, which steps the executor itself)
+the loop: every request in flight, queued or sent later gets a 503 at once, and /health answers 503. A job
+(`run_when_idle`: beam search, which steps the executor itself)
 runs on the same thread once no request is unfinished; requests added while it waits wait behind it, so a
 busy server drains for it instead of starving it. The same thread updates the Prometheus metrics. vLLM splits the same
 job between `AsyncLLM` (the asyncio side) and its engine-core process (`vllm/v1/engine/`).

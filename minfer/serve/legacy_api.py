@@ -24,8 +24,14 @@ from starlette.concurrency import run_in_threadpool
 
 from minfer.sampling_params import SamplingParams
 from minfer.serve.fallbacks import (
-    Deadline, GatedGroup, events_until, request_timeout_setting, timed_out_snapshots, truncate_prompt_tokens_setting,
-    truncate_prompts)
+    Deadline,
+    GatedGroup,
+    events_until,
+    request_timeout_setting,
+    timed_out_snapshots,
+    truncate_prompt_tokens_setting,
+    truncate_prompts,
+)
 from minfer.serve.guided import check as check_guided
 from minfer.serve.limits import check_fan_out, check_prompt_chars, read_json_body
 from minfer.serve.protocol import APIError, check_stop_token_ids, check_utf8, echo, fit_max_tokens, param_of

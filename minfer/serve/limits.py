@@ -161,7 +161,7 @@ OFF_LOOP_BYTES = 64 * 1024  # bodies from this size on are parsed (and their hea
 async def read_json_body(request: Request, limits: ServerLimits) -> dict:
     """What every JSON route reads first: `require_json`, `read_body`, then the JSON object, parsed in a worker
     thread from `OFF_LOOP_BYTES` on, so the event loop (and /health with it) keeps answering while megabytes
-    of JSON are read (issue 28: /health waited behind 2 M stop ids, and behind a 16 MB /detokenize body).
+    of JSON are read (parsed on the loop, 2 M stop ids or a 16 MB /detokenize body would hold /health up).
 
     Raises:
         APIError: as `require_json`, `read_body` and `parse_json_body`."""

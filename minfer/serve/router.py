@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from array import array
 import logging
+from array import array
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace

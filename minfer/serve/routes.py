@@ -11,7 +11,7 @@
 | GET / | the demo page (`static/index.html`), with a Content-Security-Policy that allows only its own code |
 | GET /v1/models/{id}, POST /tokenize, /detokenize, GET /version, /ping | `ops_routes.py` (vLLM's and OpenAI's extra routes) |
 | POST /generate | vLLM's legacy api_server route (`legacy_api.py`) |
-| POST /v1/responses, GET/DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items, POST /v1/responses/{id}/cancel | OpenAI's Responses API, translated to and from chat (`responses.py`) |
+| POST /v1/responses, GET/DELETE /v1/responses/{id}, GET .../input_items, POST .../cancel | OpenAI's Responses API (`responses.py`) |
 
 Each GET route also answers HEAD (the same headers, no body). Each handler only parses (with `protocol`, after
 the admission checks of `limits`) and hands over (to `serving.OpenAIServing`). They find what they share in
@@ -47,16 +47,33 @@ from starlette.routing import Match
 from minfer.sampling_params import SamplingParams
 from minfer.serve.beam_search import beam_search_params, beam_search_requested, serve_beam_search
 from minfer.serve.engine_loop import EngineLoop
-from minfer.serve.limits import (
-    FramingMiddleware, ServerLimits, check_fan_out, check_message_chars, check_prompt_chars, check_rendered_chars,
-    check_tool_chars, read_json_body)
-from minfer.serve.metrics import ServerMetrics
-from minfer.serve.protocol import (
-    DEFAULT_COMPLETION_MAX_TOKENS, APIError, chat_template_options, check_utf8, context_overflow, echo, echo_setting,
-    normalize_messages, parse_prompts, resolve_model, sampling_params)
 from minfer.serve.fallbacks import FallbackConfig, truncate_prompt_tokens_setting
 from minfer.serve.legacy_api import router as legacy_router
+from minfer.serve.limits import (
+    FramingMiddleware,
+    ServerLimits,
+    check_fan_out,
+    check_message_chars,
+    check_prompt_chars,
+    check_rendered_chars,
+    check_tool_chars,
+    read_json_body,
+)
+from minfer.serve.metrics import ServerMetrics
 from minfer.serve.ops_routes import router as ops_router
+from minfer.serve.protocol import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    APIError,
+    chat_template_options,
+    check_utf8,
+    context_overflow,
+    echo,
+    echo_setting,
+    normalize_messages,
+    parse_prompts,
+    resolve_model,
+    sampling_params,
+)
 from minfer.serve.responses import router as responses_router
 from minfer.serve.serving import OpenAIServing
 

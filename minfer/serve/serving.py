@@ -24,11 +24,29 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from minfer.sampling_params import SamplingParams
 from minfer.serve.engine_loop import EngineLoop, RequestGroup, RequestSnapshot
 from minfer.serve.fallbacks import (
-    TIMEOUT_FINISH_REASON, Deadline, FallbackConfig, GatedGroup, WaitingGate, cap_under_kv_pressure, events_until, request_timeout_setting,
-    timed_out_snapshots, truncate_prompt_tokens_setting, truncate_prompts)
+    TIMEOUT_FINISH_REASON,
+    Deadline,
+    FallbackConfig,
+    GatedGroup,
+    WaitingGate,
+    cap_under_kv_pressure,
+    events_until,
+    request_timeout_setting,
+    timed_out_snapshots,
+    truncate_prompt_tokens_setting,
+    truncate_prompts,
+)
 from minfer.serve.limits import ServerLimits
 from minfer.serve.protocol import (
-    SSE_DONE, APIError, StreamChunks, TokenText, check_stop_token_ids, completion_response, fit_max_tokens, sse)
+    SSE_DONE,
+    APIError,
+    StreamChunks,
+    TokenText,
+    check_stop_token_ids,
+    completion_response,
+    fit_max_tokens,
+    sse,
+)
 
 logger = logging.getLogger("minfer.serve")
 

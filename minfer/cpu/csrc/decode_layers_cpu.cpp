@@ -22,7 +22,7 @@
 // contiguous copy of the queries, which are copies in the per-op path too). Each library keeps its own compiler flags (the attention kernel's
 // -ffast-math, the others' -ffp-contract=off), which one shared build could not.
 //
-// Layout contract (checked on the Python side, minfer/model/decode_layers_cpu.py):
+// Layout contract (checked on the Python side, minfer/cpu/decode_step.py):
 //   x_in, residual_in (null when x_in is the embedding output: layer 0 of the model), x_out, residual_out:
 //     float32 [rows, hidden]
 //   per layer: the four projections, each as the integer GEMM's packed weights or as float32 panels
@@ -69,9 +69,9 @@ struct DecodeFns {
   gemm_f32_fn gemm_f32;
 };
 
-// One projection: in the integer GEMM's layout (minfer/quantization/qgemm.py: PackedWeight), with the
+// One projection: in the integer GEMM's layout (minfer/cpu/qgemm.py: PackedWeight), with the
 // arguments `qgemm_unchecked` passes (offset is 128 for 8-bit codes, gs the group in blocks of 32), or, when
-// `panels` is set, float32 panels run by `minfer_gemm_f32` (minfer/kernels/gemm_f32_cpu.py).
+// `panels` is set, float32 panels run by `minfer_gemm_f32` (minfer/cpu/gemm_f32.py).
 struct QWeight {
   const uint8_t* qs;
   const uint16_t* d;

@@ -4,7 +4,7 @@
 // a pass over a [T, hidden] tensor in memory and a fresh allocation; a prefill step of 2,048 tokens spends
 // about a tenth of its time there, and a batch-1 decode step pays ~10 aten calls per op. Here each op is one
 // pass, row by row (a row of 576 floats stays in L1), rows spread over the OpenMP threads. The contracts are
-// those of the Triton kernels of minfer/kernels/fused.py (the same Python signatures, minfer/model/fused_cpu.py),
+// those of the Triton kernels of minfer/kernels/fused.py (the same Python signatures, minfer/cpu/fused_ops.py),
 // so the model picks either one for one.
 //
 // Batch invariance, by construction. The serving engine is tested token for token against the one-sequence

@@ -6,7 +6,7 @@
 // oneDNN's float32 kernel, built for many rows, ran at ~11.6 GB/s and 93 GFLOP/s there (chapter 9 §9.2.6).
 // This kernel streams each weight panel once from DRAM, straight into FMAs against rows kept in L1.
 //
-// Layout (minfer/kernels/gemm_f32_cpu.py: pack_weight):
+// Layout (minfer/cpu/gemm_f32.py: pack_weight):
 //   packed: float32 [ceil(N / 16), K, 16]: panel p holds output features 16p .. 16p+15 (zero padded), one
 //           16-float line per k, so a panel is one contiguous stream of K cache lines
 //   x: float32 [M, K], row stride x_stride (floats); out: float32 [M, N], row stride out_stride

@@ -8,7 +8,7 @@
 // turned into floats only in L1 (one row at a time). The activations stay float32 (no activation quantization, unlike llama.cpp's
 // Q8_0 x Q8_0 dot), so the result is gguf's own dequantization times x, up to the order of the sums.
 //
-// Layout contract (checked on the Python side, minfer/quantization/gguf.py):
+// Layout contract (checked on the Python side, minfer/cpu/int8_group.py):
 //   out float32 [T, N]; x float32 [T, K]; qs int8 [N, K]; d float32 [N, K / B]; all contiguous, K % B == 0,
 //   B = 16 or 32.
 //

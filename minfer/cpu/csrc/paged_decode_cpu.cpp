@@ -16,7 +16,7 @@
 // costs nothing extra and needs no online-softmax bookkeeping (the GPU kernel in minfer/kernels/paged_decode.py does
 // need it: there a program only sees one tile of keys at a time).
 //
-// Layout contract (checked on the Python side, minfer/model/paged_attention_cpu.py):
+// Layout contract (checked on the Python side, minfer/cpu/attention.py):
 //   q, out         float32 [B, H, D], contiguous
 //   k_cache, v_cache float32 [num_blocks, block_size, KVH, D], contiguous (or bfloat16: minfer_paged_decode_bf16)
 //   block_tables   int32 [B, max_blocks], contiguous; context_lens int32 [B]

@@ -17,7 +17,7 @@
 //        acc  = fma(m, dx sx, acc)             (only where there is an offset m: Q4_1's m, int4's zero z)
 //      so  Q4_1: w = q d + m,  Q4_0 / int4: w = (q - 8) d + m (m = 0 for Q4_0),  Q8_0 / int8: w = q d.
 //
-// Weight layout (`minfer/quantization/qgemm.py: pack_codes`), the same bytes as the codes: columns in tiles
+// Weight layout (`minfer/cpu/qgemm.py: pack_codes`), the same bytes as the codes: columns in tiles
 // of 16 (N padded with zero columns), each tile's K in blocks of 32, each block as the loads want it:
 //   4-bit: uint8 [N/16, K/32, 4, 16, 4]: byte [p, g, i, j, b] = code(16p+j, 32g+8i+b) | code(.., 32g+8i+4+b) << 4
 //          one 64-byte load i holds 16 columns x 8 K; `& 15` gives K 8i..8i+3, `>> 4 & 15` K 8i+4..8i+7

@@ -17,7 +17,7 @@
 //      row, not one a token.
 //   4. Optionally the drawn token's logprob under the raw logits (what the engine reports, as vLLM).
 // T = 0 (greedy) is an exact argmax, the lowest index on ties, as torch.argmax.
-// Plain extern "C" functions over raw pointers: minfer/kernels/sampler_cpu.py checks shapes and calls them
+// Plain extern "C" functions over raw pointers: minfer/cpu/sampler.py checks shapes and calls them
 // through ctypes.
 
 #include <algorithm>
