@@ -25,7 +25,6 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from minfer.engine import LLMEngine
     from minfer.sampling_params import SamplingParams
     from minfer.scheduler import ScheduledBatch
     from minfer.sequence import Sequence
@@ -46,7 +45,7 @@ class EngineExtension:
 
     name = ""
 
-    def __init__(self, engine: "LLMEngine"):
+    def __init__(self, engine):
         self.engine = engine
 
     def add_request(self, seqs: list["Sequence"], params: "SamplingParams") -> None:
@@ -77,8 +76,9 @@ class EngineExtension:
         return {}
 
 
-def build_extension(name: str, engine: "LLMEngine") -> EngineExtension:
-    """The extension called `name`, attached to `engine`. Raises ValueError for an unknown name."""
+def build_extension(name: str, engine) -> EngineExtension:
+    """The extension called `name`, attached to `engine` (the `minfer.engine.LLMEngine`). Raises ValueError for an
+    unknown name."""
     if name not in EXTENSIONS:
         raise ValueError(f"unknown engine extension {name!r}: one of {sorted(EXTENSIONS)}")
     module, cls = EXTENSIONS[name].split(":")

@@ -361,13 +361,13 @@ def test_one_request_stays_under_its_stated_bound():
                     reason="needs ../shared/models/stories260K")
 def test_weights_pool_and_swap_are_checked_together_against_memory(tmp_path, monkeypatch):
     """Each fits alone, all three do not: the engine refuses before it allocates the pool, naming the parts."""
-    import minfer.engine
+    import minfer.kv_cache_plan
     from minfer import LLM
     from minfer.model.llama2c import llama2c_to_hf
 
     stories = SHARED / "models" / "stories260K"
     path = llama2c_to_hf(stories / "stories260K.bin", tmp_path / "stories", stories / "tok512.model")
     pool = 1 << 20
-    monkeypatch.setattr(minfer.engine, "physical_memory_bytes", lambda: pool + 1024)  # the weights do not fit too
+    monkeypatch.setattr(minfer.kv_cache_plan, "physical_memory_bytes", lambda: pool + 1024)  # the weights do not fit too
     with pytest.raises(ValueError, match=r"the weights \(.*\), the KV pool \(.*\) and the swap space"):
         LLM(model=str(path), kv_cache_memory_bytes=pool, max_model_len=256, kernels="reference")

@@ -32,7 +32,7 @@ PKG = ROOT / "minfer"
 
 # Plain data and formulas every step may use; they import only each other.
 SHARED = {"minfer.config", "minfer.sequence", "minfer.outputs", "minfer.sampling_params", "minfer.memory",
-          "minfer.request_params", "minfer.envs"}
+          "minfer.envs"}
 # The seam that decides, once per worker, how this device runs a step (minfer/platform.py): every step may ask
 # it, and it reaches the CPU wing only inside its functions, for the step that asks.
 SEAM = {"minfer.platform", "minfer.extensions", "minfer.kv_cache_plan"}
@@ -304,7 +304,7 @@ CORE = {"minfer.llm", "minfer.engine", "minfer.scheduler", "minfer.block_manager
         "minfer.model.layers", "minfer.model.positions"}
 FEATURE_WINGS = ("minfer.spec_decode", "minfer.structured_output", "minfer.step_hooks", "minfer.beam_search",
                  "minfer.swap", "minfer.parallel", "minfer.kv_cache_groups", "minfer.attention.grouped",
-                 "minfer.cpu")  # their settings (minfer/request_params.py) are shared data
+                 "minfer.cpu")  # their settings (GuidedDecodingParams, BeamSearchParams) are shared data
 
 
 def core_wing_imports(graph: dict[str, set[str]]) -> list[str]:

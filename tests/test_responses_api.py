@@ -212,13 +212,20 @@ def test_openai_agents_runs_on_the_responses_api(server):
 # Issue 40 on the real server (the rest, on the fake engine: tests/test_responses_limits.py)
 # ----------------------------------------------------------------------------------------------------------
 def test_tokenize_with_tools_counts_the_chat_prompt(server, client):
-    """/tokenize renders tools as the chat route does: its count is chat's usage.prompt_tokens."""
+    """/tokenize renders tools as the chat route does: its count is chat's usage.prompt_tokens. Both for
+    "required" (minfer's tool prompt shown to a template that ignores tools) and unset (vLLM's rule: the
+    template decides, and SmolLM2's shows no tools)."""
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     chat_tools = [{"type": "function", "function": {k: v for k, v in TOOLS[0].items() if k != "type"}}]
+    without = httpx.post(server + "/tokenize", json={"messages": messages}, timeout=60).json()["count"]
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=chat_tools, max_tokens=1,
+                                       tool_choice="required")
+    with_tools = httpx.post(server + "/tokenize", json={"messages": messages, "tools": chat_tools,
+                                                       "tool_choice": "required"}, timeout=60)
+    assert with_tools.json()["count"] == r.usage.prompt_tokens > without
     r = client.chat.completions.create(model=MODEL, messages=messages, tools=chat_tools, max_tokens=1)
-    with_tools = httpx.post(server + "/tokenize", json={"messages": messages, "tools": chat_tools}, timeout=60)
-    without = httpx.post(server + "/tokenize", json={"messages": messages}, timeout=60)
-    assert with_tools.json()["count"] == r.usage.prompt_tokens > without.json()["count"]
+    unset = httpx.post(server + "/tokenize", json={"messages": messages, "tools": chat_tools}, timeout=60)
+    assert unset.json()["count"] == r.usage.prompt_tokens
 
 
 def test_4mb_metadata_and_lone_surrogates_are_400s(server):
