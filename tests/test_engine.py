@@ -90,7 +90,9 @@ def test_engine_equals_simple_path(reference, name):
     if "preempt" in name:
         assert stats.num_preemptions > 0
         if name == "preempt-swap":
-            assert engine_llm.llm_engine.scheduler.preemption_mode == "swap"
+            from minfer.swap import SwapPreemption
+
+            assert isinstance(engine_llm.llm_engine.scheduler.preemption, SwapPreemption)
     if "prefix" in name:
         assert stats.prefix_cache_hits > 0 and 0 < stats.prefix_cache_hit_rate < 1
 
