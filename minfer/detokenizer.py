@@ -18,8 +18,12 @@ from __future__ import annotations
 
 import functools
 from collections import deque
+from typing import TYPE_CHECKING
 
 from minfer.sequence import Sequence
+
+if TYPE_CHECKING:
+    from minfer.tokenizer import Tokenizer
 
 
 class OutputProcessor:
@@ -29,7 +33,7 @@ class OutputProcessor:
     (finished or aborted), which drops its state.
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer: "Tokenizer"):
         self.tokenizer = tokenizer
         self._seqs: dict[int, _SeqState] = {}
 
@@ -85,7 +89,7 @@ class IncrementalDetokenizer:
     independent of the sequence length.
     """
 
-    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: "Tokenizer", prompt_ids: list[int], skip_special_tokens: bool = True):
         self.tok = tokenizer
         self.skip = skip_special_tokens
         self.ids = list(prompt_ids[-6:])  # a little prompt context, for the first token's spacing

@@ -18,6 +18,7 @@ import logging
 import numbers
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +34,9 @@ from minfer.sampling_params import SamplingParams
 from minfer.scheduler import Scheduler
 from minfer.sequence import Sequence, validate_prompt
 from minfer.tokenizer import Tokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from minfer.worker import Worker
 
 logger = logging.getLogger("minfer.engine")
 
@@ -137,7 +141,7 @@ class LLMEngine:
         return cls(args)
 
     @property
-    def worker(self):
+    def worker(self) -> "Worker":
         """The executor's driver worker: the model (`.model`), KV pool (`.pool`), backend, sampler."""
         return self.executor.driver_worker
 
@@ -180,7 +184,7 @@ class LLMEngine:
             self.scheduler.add(s)
         return request_id
 
-    def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
+    def tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt: a string, a list of token ids, or vLLM's dict forms
         {"prompt": str} / {"prompt_token_ids": [int]} (with both, the ids are used and the text kept).
         Raises ValueError for anything else."""

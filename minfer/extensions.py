@@ -22,9 +22,12 @@ attached, so stepping through `LLM.generate` visits only the core.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
+
+    from minfer.config import EngineArgs
     from minfer.sampling_params import SamplingParams
     from minfer.scheduler import ScheduledBatch
     from minfer.sequence import Sequence
@@ -45,7 +48,7 @@ class EngineExtension:
 
     name = ""
 
-    def __init__(self, engine):
+    def __init__(self, engine: Any):
         self.engine = engine
 
     def add_request(self, seqs: list["Sequence"], params: "SamplingParams") -> None:
@@ -76,7 +79,7 @@ class EngineExtension:
         return {}
 
 
-def build_extension(name: str, engine) -> EngineExtension:
+def build_extension(name: str, engine: Any) -> EngineExtension:
     """The extension called `name`, attached to `engine` (the `minfer.engine.LLMEngine`). Raises ValueError for an
     unknown name."""
     if name not in EXTENSIONS:
@@ -85,7 +88,7 @@ def build_extension(name: str, engine) -> EngineExtension:
     return getattr(importlib.import_module(module), cls)(engine)
 
 
-def load_verifier(args, sampler, generator):
+def load_verifier(args: "EngineArgs", sampler: Any, generator: "torch.Generator") -> Any:
     """What a worker verifies rows carrying proposed tokens with: a `RejectionVerifier` when `args`
     (`EngineArgs`) speculate, else None (no row ever carries any)."""
     if "spec_decode" not in args.extensions:

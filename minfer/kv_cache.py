@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import math
 import mmap
+from typing import TYPE_CHECKING
 
 import torch
 
 from minfer.attention.kv_quant import SCALE_DTYPE, KVCacheSpec, kv_cache_spec, raw
 from minfer.config import ModelConfig
+
+if TYPE_CHECKING:
+    from minfer.scheduler import ScheduledBatch
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pin_memory: bool = False) -> torch.Tensor:
@@ -61,7 +65,7 @@ class KVCachePool:
         """Device bytes of the pool: codes (or K/V) plus scales."""
         return sum(t.numel() * t.element_size() for t in self.layers + (self.scales or []))
 
-    def before_forward(self, batch) -> None:
+    def before_forward(self, batch: "ScheduledBatch") -> None:
         """The block copies a step asks for before its forward writes (`ScheduledBatch.copy`)."""
         self.copy_blocks(batch.copy)
 

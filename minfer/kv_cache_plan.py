@@ -19,7 +19,7 @@ import torch
 from minfer.attention.grouped import KVCacheLayout, hybrid_layout
 from minfer.attention.kv_quant import kv_cache_spec
 from minfer.block_manager import BlockManager
-from minfer.config import ModelConfig
+from minfer.config import EngineArgs, ModelConfig
 from minfer.kv_cache import KVCachePool
 from minfer.memory import human_bytes, kv_cache_bytes, physical_memory_bytes
 
@@ -80,7 +80,8 @@ def determine_num_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype, 
     return int(num_blocks)
 
 
-def make_kv_pool(cfg, num_blocks: int, block_size: int, dtype, device, num_cpu_blocks: int = 0,
+def make_kv_pool(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                 num_cpu_blocks: int = 0,
                  kv_cache_dtype: str = "auto") -> KVCachePool:
     """The worker's pool: `KVCachePool`, or with `num_cpu_blocks` of swap space `minfer.swap.SwappingKVCachePool`."""
     if not num_cpu_blocks:
@@ -90,7 +91,7 @@ def make_kv_pool(cfg, num_blocks: int, block_size: int, dtype, device, num_cpu_b
     return SwappingKVCachePool(cfg, num_blocks, block_size, dtype, device, num_cpu_blocks, kv_cache_dtype)
 
 
-def kv_cache_groups(cfg) -> KVCacheLayout | None:
+def kv_cache_groups(cfg: ModelConfig) -> KVCacheLayout | None:
     """The layer groups of `cfg`'s KV cache when there are several (a model mixing sliding-window and full
     layers), else None: every layer shares each sequence's one block table."""
     return hybrid_layout(cfg)
@@ -116,7 +117,8 @@ class KVCachePlan:
     sliding_window: int | None
 
 
-def plan_kv_cache(args, cfg, dtype, device, model, max_len: int, max_num_batched_tokens: int) -> KVCachePlan:
+def plan_kv_cache(args: EngineArgs, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                  model: torch.nn.Module | None, max_len: int, max_num_batched_tokens: int) -> KVCachePlan:
     """Size the KV pool (and swap space) for `cfg` computing in `dtype` on `device`, and pick its block
     manager: the plain one for one layer group, the hybrid one for several (module docstring).
 

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections.abc import Callable
 from dataclasses import fields
+from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
 
@@ -31,6 +33,10 @@ from minfer.outputs import RequestOutput
 from minfer.sampling import Sampler
 from minfer.sampling_params import SamplingParams
 from minfer.sequence import Sequence, prompt_list, validate_prompt
+
+if TYPE_CHECKING:
+    from minfer.outputs import EngineStats
+    from minfer.tokenizer import Tokenizer
 
 
 def _serialised(method):
@@ -78,7 +84,7 @@ class LLM:
         self._simple = None
         self._lock = threading.RLock()
 
-    def get_tokenizer(self):
+    def get_tokenizer(self) -> "Tokenizer":
         return self.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -88,13 +94,13 @@ class LLM:
         its `max_new_tokens` is `max_tokens`)."""
         return SamplingParams(**self.llm_engine.default_sampling_params)
 
-    def stats(self):
+    def stats(self) -> "EngineStats":
         """`EngineStats` of the underlying engine (queues, KV usage, prefix-cache hits, preemptions)."""
         return self.llm_engine.stats()
 
     # -- the engine path ------------------------------------------------------------------------------
     @_serialised
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    def generate(self, prompts: str | list | dict, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate for one prompt or a list (strings or token-id lists). Returns outputs in prompt order.
 
@@ -131,7 +137,8 @@ class LLM:
         return [results[i] for i in ids]
 
     @_serialised
-    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (list of {"role", "content"}) or a list of them.
 
         Messages follow the server's rule (`minfer.tokenizer.normalize_messages`): a content is a string,
@@ -150,7 +157,7 @@ class LLM:
     # -- the simple path (chapter 1) --------------------------------------------------------------------
     @_serialised
     def generate_simple(self, prompt: str | list[int] | dict, sampling_params: SamplingParams | None = None,
-                        on_token=None) -> tuple[RequestOutput, GenerationTimings]:
+                        on_token: Callable[[int], None] | None = None) -> tuple[RequestOutput, GenerationTimings]:
         """One request through the simple prefill/decode path with a contiguous KV cache.
 
         Returns the RequestOutput and its prefill/decode timings. `on_token(seq)` streams.

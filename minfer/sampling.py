@@ -52,7 +52,7 @@ def _padded(rows: list[list[int]], pad: int, device) -> torch.Tensor:
     return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
 
 
-def token_counts(rows: list[list[int]], vocab: int, device) -> torch.Tensor:
+def token_counts(rows: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
     """How often each token id occurs in each row: int64 `[B, V]` (one scatter_add, no loop over tokens).
     Padding goes to an extra column `vocab` that is dropped."""
     ids = _padded(rows, vocab, device)
@@ -102,9 +102,9 @@ def _by_params(seqs: list[Sequence], want) -> list[tuple[SamplingParams, list[in
     return list(groups.values())
 
 
-def logit_bias_vector(params: SamplingParams, vocab: int, device) -> torch.Tensor:
+def logit_bias_vector(params: SamplingParams, vocab: int, device: torch.device) -> torch.Tensor:
     """float32 `[V]`: the request's `logit_bias` as a dense vector (ids >= V ignored), built once per request."""
-    def make():
+    def make() -> torch.Tensor:
         ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
         vals = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
         keep = ids < vocab
@@ -113,7 +113,7 @@ def logit_bias_vector(params: SamplingParams, vocab: int, device) -> torch.Tenso
     return _cached(params, ("logit_bias", vocab, str(device)), make)
 
 
-def stop_id_tensor(params: SamplingParams, vocab: int, device) -> torch.Tensor:
+def stop_id_tensor(params: SamplingParams, vocab: int, device: torch.device) -> torch.Tensor:
     """int64 `[S]`: the request's stop token ids below V (EOS included unless `ignore_eos`), built once."""
     return _cached(params, ("stop_ids", vocab, str(device)), lambda: torch.tensor(
         sorted(t for t in params.all_stop_token_ids if t < vocab), dtype=torch.long, device=device))
@@ -176,7 +176,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     return torch.where(allowed[:, :vocab], logits, torch.tensor(float("-inf"), device=logits.device))
 
 
-def request_generator(params: SamplingParams, index: int, device) -> torch.Generator | None:
+def request_generator(params: SamplingParams, index: int, device: torch.device) -> torch.Generator | None:
     """A private random stream for a seeded request; completion `index` of `n` gets its own stream."""
     if params.seed is None or params.greedy:
         return None
@@ -199,7 +199,7 @@ class Sampler:
         self.generator = generator
         self._seeded: dict[int, torch.Generator] = {}
 
-    def generator_for(self, seq: Sequence, device) -> torch.Generator | None:
+    def generator_for(self, seq: Sequence, device: torch.device) -> torch.Generator | None:
         """The seeded stream of `seq` (made on first use), or None for an unseeded or greedy request."""
         if seq.params.seed is None or seq.params.greedy:
             return None
@@ -208,7 +208,7 @@ class Sampler:
             g = self._seeded[seq.seq_id] = request_generator(seq.params, seq.index, device)
         return g
 
-    def release(self, seq_ids) -> None:
+    def release(self, seq_ids: list[int]) -> None:
         """Forget the streams of retired sequences."""
         for i in seq_ids:
             self._seeded.pop(i, None)

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict, deque
+from collections.abc import ItemsView
 from dataclasses import dataclass, field
+from typing import Any
 
 from minfer.block_manager import BlockManager
 from minfer.sequence import Sequence, SequenceStatus
@@ -93,7 +95,7 @@ class WaitingQueue:
             del self._requests[seq.request_id]
         self._len -= 1
 
-    def requests(self):
+    def requests(self) -> "ItemsView[str, deque[Sequence]]":
         """(request id, its waiting sequences) for each waiting request, in queue order."""
         return self._requests.items()
 
@@ -127,7 +129,7 @@ class Scheduler:
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool, preemption=None, sliding_window: int | None = None):
+                 enable_chunked_prefill: bool, preemption: Any = None, sliding_window: int | None = None):
         self.bm = block_manager
         # Every layer's window (the largest, when they differ) or None: blocks behind it are freed each step.
         # With a hybrid KV cache (minfer/kv_cache_groups.py) the block manager frees per layer group instead.

@@ -161,7 +161,7 @@ def validate_prompt(prompt_token_ids: list[int], params: SamplingParams, max_mod
             "Lower min_tokens or raise max_model_len.")
 
 
-def prompt_list(prompts) -> list:
+def prompt_list(prompts: str | list | dict) -> list:
     """One prompt or a list of them (strings, token-id lists, vLLM's prompt dicts) as a list.
 
     Raises:

@@ -8,9 +8,15 @@ Tokenization and chat templates are not what minfer teaches, so they come from H
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import minfer.envs as envs
 from minfer.chat import MAX_ROLE_CHARS, check_chat_template_kwargs, normalize_messages  # noqa: F401
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from minfer.model.sources import ModelSource
 
 
 class Tokenizer:
@@ -20,7 +26,7 @@ class Tokenizer:
         eos_token_ids: ids that end generation (from generation_config.json / GGUF metadata / tokenizer).
     """
 
-    def __init__(self, hf_tokenizer, eos_token_ids: tuple = ()):
+    def __init__(self, hf_tokenizer: "PreTrainedTokenizerBase", eos_token_ids: tuple = ()):
         self.hf = hf_tokenizer
         ids = list(eos_token_ids)
         if not ids and hf_tokenizer.eos_token_id is not None:
@@ -73,7 +79,7 @@ class Tokenizer:
                            add_special_tokens=False)
 
 
-def load_tokenizer(source, eos_token_ids: tuple = (), cache_dir: Path | None = None) -> Tokenizer:
+def load_tokenizer(source: "ModelSource", eos_token_ids: tuple = (), cache_dir: Path | None = None) -> Tokenizer:
     """The tokenizer of a model directory (tokenizer.json or only tokenizer.model) or GGUF file.
 
     Args:

@@ -129,7 +129,7 @@ class AttentionBackend(abc.ABC):
         """The element type of the stored K/V (a quantized KV cache stores int8/fp8 here)."""
         return self.kv_caches[0].dtype
 
-    def decode_tables(self, ctx: "ForwardContext"):
+    def decode_tables(self, ctx: "ForwardContext") -> Any:
         """For a step runner that does this step's attention itself (`Platform.step_runner`): the K/V addressing
         of a pure decode step over this backend's cache (a `DecodeTables`-style object of the backend's kernel),
         or None (the default): the step is not for it, and the model attends through `attend`."""
@@ -214,13 +214,14 @@ class PagedReferenceBackend(AttentionBackend):
         spans += [(first + j, first + j + 1, n) for j, n in enumerate(lens[ctx.num_prefills:])]
         return SequenceSpans(spans)
 
-    def store_kv(self, layer: Attention, k, v, ctx: ForwardContext) -> None:
+    def store_kv(self, layer: Attention, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> None:
         kv = self.kv_caches[layer.layer_idx]
         flat = kv.view(2, kv.shape[1] * kv.shape[2], *kv.shape[3:])  # [2, num_slots, KVH, D]
         flat[0].index_copy_(0, ctx.slot_mapping, k)
         flat[1].index_copy_(0, ctx.slot_mapping, v)
 
-    def attend(self, layer: Attention, q, k, v, ctx: ForwardContext) -> torch.Tensor:
+    def attend(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               ctx: ForwardContext) -> torch.Tensor:
         kv = self.kv_caches[layer.layer_idx]
         block_size = kv.shape[2]
         out = torch.empty_like(q)

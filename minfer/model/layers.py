@@ -15,8 +15,9 @@ the model is built, so no layer asks which device it runs on and none is patched
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -90,7 +91,7 @@ class LinearMethodBase(abc.ABC):
         the head through this). Raises RuntimeError where the storage cannot give rows."""
         raise RuntimeError(f"the {self.name!r} linear method cannot read weight rows")
 
-    def fused_step_weight(self, layer: "Linear"):
+    def fused_step_weight(self, layer: "Linear") -> Any:
         """How a fused decode step (a platform's step runner, e.g. `minfer.cpu.decode_step`) may read this
         layer's weight in place of calling `apply`, or None (the default) where it may not: the step runner
         then leaves the step to the model."""
@@ -145,7 +146,7 @@ class FusedOps(Protocol):
 FUSED_OP_NAMES = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "apply_rotary_")
 
 
-def check_fused_ops(ops) -> FusedOps | None:
+def check_fused_ops(ops: Any) -> FusedOps | None:
     """`ops` if it is None or has every op of `FusedOps`. Raises TypeError otherwise (a name such as "cpu" or a
     bool: the platform's `fused_ops()` turns those into the kernels)."""
     if ops is None or all(callable(getattr(ops, n, None)) for n in FUSED_OP_NAMES):
@@ -195,7 +196,8 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.fused:
             norm, add_norm = self._kernels
             return norm(x, self.weight, self.eps) if residual is None else add_norm(x, residual, self.weight, self.eps)
@@ -341,7 +343,7 @@ ACTIVATIONS = {
 }
 
 
-def activation(name: str, source: str = "config"):
+def activation(name: str, source: str = "config") -> Callable[[torch.Tensor], torch.Tensor]:
     """The function of an HF activation name. Raises ValueError for one minfer does not implement."""
     if name not in ACTIVATIONS:
         raise ValueError(f"{source}: activation {name!r} is not supported; minfer implements {sorted(ACTIVATIONS)}")

@@ -48,7 +48,8 @@ class LlamaAttention(nn.Module):
         window = cfg.layer_windows[layer_idx] if cfg.layer_windows else None
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, d, scale=d ** -0.5, sliding_window=window)
 
-    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, cos_sin, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, cos_sin: torch.Tensor, ctx: ForwardContext
+                ) -> torch.Tensor:
         t, h, kvh = x.shape[0], self.num_heads, self.num_kv_heads
         # q|k|v as `[T, H + 2 KVH, D]` heads, then three slices of it: views, as `split` + `view` would give,
         # in 4 aten calls instead of 7 (a batch-1 decode step pays each call 30 times; chapter 9 §9.2.4).
@@ -69,7 +70,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused=build.fused_ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused=build.fused_ops)
 
-    def forward(self, x, residual, rotary, cos_sin, ctx):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryEmbedding, cos_sin: torch.Tensor,
+                ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual add is fused into the norm (vLLM's layout): each norm returns (normed, new residual).
         if residual is None:
             residual = x

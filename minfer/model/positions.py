@@ -18,9 +18,13 @@ ALiBi (Press et al., 2021, arXiv:2108.12409) adds `-slope_h * distance` to atten
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from minfer.model.layers import FusedOps
 
 
 def _base_inv_freq(base: float, dim: int) -> torch.Tensor:
@@ -110,7 +114,7 @@ class RotaryEmbedding(nn.Module):
     """
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_position_embeddings: int,
-                 max_positions: int, fused=None):
+                 max_positions: int, fused: "FusedOps | None" = None):
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
         self.max_position_embeddings = max_position_embeddings
@@ -142,7 +146,8 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"position {int(positions.max())} beyond the RoPE table ({self.cos_sin.shape[1]})")
         return self.cos_sin[0][positions], self.cos_sin[1][positions]
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin=None):
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q `[T, H, D]` and k `[T, KVH, D]`; returns new tensors in q's dtype.
 
         `cos_sin`: this forward's `cos_sin_for(positions)`, computed once by the model for all its layers.
