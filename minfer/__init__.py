@@ -18,10 +18,8 @@ def __getattr__(name):
         import minfer.envs as envs
 
         envs.configure_process("offline")
-        from minfer.beam_search import llm_beam_search
         from minfer.llm import LLM
 
-        LLM.beam_search = llm_beam_search  # vLLM's LLM.beam_search, attached from its own module
         return LLM
     if name == "LLMEngine":
         import minfer.envs as envs

@@ -268,8 +268,8 @@ def run_beam_search(engine, prompts: list[list[int]], params: BeamSearchParams, 
 
 def llm_beam_search(llm, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
     """`LLM.beam_search` (vLLM's, scores as transformers' `generate(num_beams=...)`): for each prompt (the
-    forms `LLM.generate` takes) its `beam_width` best beams, best score first. `minfer.LLM` carries it as a
-    method, attached when `minfer.LLM` is first imported (`minfer/__init__.py`).
+    forms `LLM.generate` takes) its `beam_width` best beams, best score first. `LLM` offers it as a method
+    through `minfer.extensions.LLM_METHODS`.
 
     The beams share their prompt's and common prefix's KV blocks. Prompts run together in groups that fit in
     the KV pool at the worst case (no two beams sharing a generated block).

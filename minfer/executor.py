@@ -1,6 +1,6 @@
 """The executor (vLLM's `executor/`): what runs the workers. The engine talks only to it.
 
-`UniProcExecutor` holds one `Worker` in this process. `MultiprocExecutor` runs tensor x pipeline parallelism
+`UniProcExecutor` is the one `Worker` in this process (so a step calls it directly). `MultiprocExecutor` runs tensor x pipeline parallelism
 (chapter 12): one worker per rank, each in its own process, joined by torch.distributed (gloo on a CPU, NCCL on
 CUDA) for the tensors of a step, and by one control connection per worker for the commands:
 

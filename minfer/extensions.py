@@ -22,6 +22,7 @@ attached, so stepping through `LLM.generate` visits only the core.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -77,6 +78,21 @@ class EngineExtension:
 
     def stats(self) -> dict:
         return {}
+
+
+# name -> "module:function" of the methods features add to the offline `LLM` (vLLM's `LLM.beam_search`); each
+# takes the `LLM` first.
+LLM_METHODS = {
+    "beam_search": "minfer.beam_search:llm_beam_search",
+}
+
+
+def llm_method(name: str) -> Callable:
+    """The function behind `LLM.<name>` that a feature adds (`LLM_METHODS`). Raises AttributeError otherwise."""
+    if name not in LLM_METHODS:
+        raise AttributeError(name)
+    module, fn = LLM_METHODS[name].split(":")
+    return getattr(importlib.import_module(module), fn)
 
 
 def build_extension(name: str, engine: Any) -> EngineExtension:

@@ -7,8 +7,8 @@
 
 `generate` queues every prompt in the engine and steps it until all finish (continuous batching over the
 paged KV pool). `generate_simple` runs chapter 1's one-sequence prefill/decode path: the oracle that the
-engine is tested against. vLLM's `LLM.beam_search` is attached from its own module (`minfer.beam_search`)
-when `minfer.LLM` is first imported, so this file stays the plain path.
+engine is tested against. vLLM's `LLM.beam_search` comes from its own module (`minfer.beam_search`), found
+by `__getattr__` in `minfer.extensions.LLM_METHODS`, so this file stays the plain path.
 
 One `LLM` may be shared by several threads: its calls are serialised by a lock (one engine steps one batch at a
 time; a second thread's `generate` waits for the first to return, then runs). For calls that overlap in the
@@ -19,15 +19,17 @@ from __future__ import annotations
 
 import functools
 import threading
+import types
 from collections.abc import Callable
 from dataclasses import fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
 from minfer.config import DEFAULT_MODEL, EngineArgs
 from minfer.detokenizer import OutputProcessor
 from minfer.engine import LLMEngine
+from minfer.extensions import llm_method
 from minfer.generate import GenerationTimings, SimpleGenerator
 from minfer.outputs import RequestOutput
 from minfer.sampling import Sampler
@@ -83,6 +85,11 @@ class LLM:
         self.tokenizer = self.llm_engine.tokenizer
         self._simple = None
         self._lock = threading.RLock()
+
+    def __getattr__(self, name: str) -> Any:
+        """Methods that features add to the offline API from outside (vLLM's `LLM.beam_search`; the table is
+        `minfer.extensions.LLM_METHODS`). Raises AttributeError for any other missing name."""
+        return types.MethodType(llm_method(name), self)
 
     def get_tokenizer(self) -> "Tokenizer":
         return self.tokenizer

@@ -67,8 +67,9 @@ class Sequence:
         self.group_block_tables: list[list[int]] = []
         self.block_hashes: list[int] = []  # hash chain of the full, computed blocks (prefix caching)
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
-        # Speculative decoding (minfer.spec_decode): this step's draft tokens, and the draft's q [k, V] (None
-        # for a deterministic proposer). Set by the engine before scheduling, cleared after the step.
+        # Tokens proposed for verification this step (vLLM's `spec_token_ids`; speculative decoding's drafts, set
+        # by its engine extension before scheduling, cleared after the step), and the proposer's q [k, V] (None
+        # for a deterministic proposer).
         self.spec_token_ids: list[int] = []
         self.spec_token_probs = None
 

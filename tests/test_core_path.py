@@ -4,7 +4,11 @@ A profiler hook (`sys.setprofile`) records every `minfer` function that runs whi
 `kernels="reference"` with default features generates greedily. The files those functions live in are
 the per-step path; it must stay small (at most 15 files and 3,500 lines) and its code (comments and
 strings aside) must name no feature wing: speculative decoding, grammars, pipeline stages, the hybrid KV
-cache, swap or beam search. Those attach from outside through the core's extension points. The settings
+cache, swap or beam search. Those attach from outside through the core's extension points, and act on the
+core through a few neutral fields the core defines for any extension (vLLM's names where it has them):
+`Sequence.spec_token_ids` (tokens to verify), `ScheduledBatch.token_bitmask` (allowed tokens),
+`Sequence.group_block_tables` (more block tables), `ScheduledBatch.kv_transfer` (block moves a preemption
+policy asks for), `BlockManager.fork` (shared blocks). The settings
 dataclasses `SamplingParams` and `EngineArgs` are excepted from the naming rule: they carry every knob.
 
     pytest tests/test_core_path.py
@@ -63,22 +67,25 @@ def record_step_path(llm, prompts, params) -> set[Path]:
     return {Path(f) for f in seen}
 
 
-def _build_llm():
+def _build_llm(tmp_path):
     from minfer import LLM
     from tests.conftest import default_model_available
+
     if default_model_available():
         return LLM(max_model_len=256, seed=0, kernels="reference")
     if (SHARED / "stories260K.bin").exists():
-        return LLM(model=str(SHARED / "stories260K.bin"), tokenizer=str(SHARED / "tok512.model"),
-                   max_model_len=256, seed=0, kernels="reference")
+        from minfer.model.llama2c import llama2c_to_hf
+
+        path = llama2c_to_hf(SHARED / "stories260K.bin", tmp_path / "stories", SHARED / "tok512.model")
+        return LLM(model=str(path), max_model_len=256, seed=0, kernels="reference")
     pytest.skip("neither the default model nor ../shared/models/stories260K is here")
 
 
 @pytest.fixture(scope="module")
-def step_path():
+def step_path(tmp_path_factory):
     from minfer import SamplingParams
 
-    llm = _build_llm()
+    llm = _build_llm(tmp_path_factory.mktemp("core_path"))
     params = SamplingParams(temperature=0, max_tokens=8)
     llm.generate(["Once upon a time"], params, use_tqdm=False)  # first-call set-up is not the step
     return record_step_path(llm, ["Once upon a time", "The KV cache holds"], params)

@@ -1,4 +1,4 @@
-"""`Linear` and its linear methods (minfer/model/layers.py, linear_method.py, cpu/linear.py): the CPU layouts (K-major or not,
+"""`Linear` and its linear methods (minfer/model/layers.py with its `LinearMethod` seam, cpu/linear.py): the CPU layouts (K-major or not,
 split into column slices; oneDNN's packed one) compute what nn.Linear does, and the loader hands each
 parameter its tensors through its own `weight_loader`."""
 

@@ -1,5 +1,6 @@
 """Guided decoding inside speculative decoding (`StructuredOutputManager.truncate_drafts` / `spec_bitmasks`,
-the worker's `_verify`, `minfer.step_hooks`, the engine's `_append_tokens`; chapter 7 §7.5 and chapter 7b): a
+the model runner's verifier (`minfer.spec_decode.verifier`), `minfer.step_hooks`, the engine's
+`_append_tokens`; chapter 7 §7.5 and chapter 7b): a
 guided request speculates, its drafts are verified under the grammar's mask at each draft position
 (llguidance's rollback brings the matcher back), and
 

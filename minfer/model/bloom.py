@@ -25,7 +25,8 @@ from torch import nn
 
 from minfer.attention import Attention, ForwardContext
 from minfer.config import ModelConfig
-from minfer.model.layers import BuildOptions, GeluMLP, Linear, TiedEmbedding
+from minfer.model.gelu_mlp import GeluMLP
+from minfer.model.layers import BuildOptions, Linear, TiedEmbedding
 from minfer.model.positions import alibi_slopes
 
 

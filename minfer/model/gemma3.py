@@ -24,7 +24,8 @@ from torch import nn
 
 from minfer.attention import Attention, ForwardContext
 from minfer.config import ModelConfig
-from minfer.model.layers import BuildOptions, Linear, MergedLinear, TiedEmbedding, activation
+from minfer.model.gelu_mlp import activation
+from minfer.model.layers import BuildOptions, Linear, MergedLinear, TiedEmbedding
 from minfer.model.positions import RotaryEmbedding
 
 

@@ -22,7 +22,8 @@ from torch import nn
 
 from minfer.attention import Attention, ForwardContext
 from minfer.config import ModelConfig
-from minfer.model.layers import BuildOptions, GeluMLP, Linear, TiedEmbedding
+from minfer.model.gelu_mlp import GeluMLP
+from minfer.model.layers import BuildOptions, Linear, TiedEmbedding
 
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 

@@ -110,7 +110,9 @@ class LlamaModel(nn.Module):
         return self.embed_tokens(input_ids)
 
     def decoder_layers(self) -> list[LlamaDecoderLayer]:
-        """The decoder layers this model runs, in order."""
+        """The decoder layers this model runs, in order. `embed`, `decoder_layers` and `final_norm` are the
+        forward's three parts, named so a platform's step runner (`minfer.cpu.decode_step`) and a pipeline
+        stage (`minfer.parallel.apply`) can run them without copying this file."""
         return list(self.layers)
 
     def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
