@@ -36,15 +36,65 @@ _last_user: dict[str, str] = {}  # fixture name -> node id of the last test that
 RUN_LAST = ("tests/test_models_gemma3.py",)
 
 
+# The fast tier, `pytest -m "not slow"`: what a contributor runs while working, under 10 minutes on 2 cores.
+# It leaves out the notebooks and every test of these files: they start servers or worker processes, build
+# engines again and again (default model, Gemma 3, quantized pools, beams), or run minute-long end-to-end
+# checks. Slow tests of other files carry `@pytest.mark.slow` themselves. CI runs everything (`python3 -m pytest`).
+SLOW_MODULES = (
+    "tests/test_article_command.py",
+    "tests/test_beam_search.py",
+    "tests/test_bench_engine.py",
+    "tests/test_bench_profile.py",
+    "tests/test_engine.py",
+    "tests/test_generate.py",
+    "tests/test_gguf_matmul.py",
+    "tests/test_gpu_check.py",
+    "tests/test_hybrid_kv_cache.py",
+    "tests/test_kv_cache_quant.py",
+    "tests/test_models_gemma3.py",
+    "tests/test_models_gpt2_bloom.py",
+    "tests/test_no_stall.py",
+    "tests/test_notebooks_browser.py",
+    "tests/test_parallel.py",
+    "tests/test_prompt_logprobs.py",
+    "tests/test_quant.py",
+    "tests/test_replicas.py",
+    "tests/test_responses_api.py",
+    "tests/test_serve.py",
+    "tests/test_serve_admission.py",
+    "tests/test_serve_beam_search.py",
+    "tests/test_serve_browser.py",
+    "tests/test_serve_clients.py",
+    "tests/test_serve_engine_process.py",
+    "tests/test_serve_structured_output.py",
+    "tests/test_spec_decode.py",
+    "tests/test_triton_backend.py",
+    "tests/test_triton_kv_quant.py",
+)
+
+
+def is_slow_module(nodeid: str) -> bool:
+    """A test of a file in SLOW_MODULES, or a notebook cell (nbval's items)."""
+    return nodeid.startswith(SLOW_MODULES) or nodeid.split("::")[0].endswith(".ipynb")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own `-m` selection, which reads the markers added here
 def pytest_collection_modifyitems(session, config, items):
+    for item in items:
+        if is_slow_module(item.nodeid):
+            item.add_marker(pytest.mark.slow)
     last = [item for item in items if item.nodeid.startswith(RUN_LAST)]
     if last:
         rest = [item for item in items if not item.nodeid.startswith(RUN_LAST)]
         # after the last test file's items, before the notebooks (nbval items follow the tests)
         at = max((i + 1 for i, item in enumerate(rest) if item.nodeid.startswith("tests/")), default=len(rest))
         items[:] = rest[:at] + last + rest[at:]
+
+
+def pytest_collection_finish(session):
+    """The last user of each released fixture, among the tests that will run (after `-m` / `-k` selection)."""
     _last_user.clear()
-    for item in items:
+    for item in session.items:
         for name in RELEASED_FIXTURES:
             if name in getattr(item, "fixturenames", ()):
                 _last_user[name] = item.nodeid

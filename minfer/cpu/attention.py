@@ -226,7 +226,7 @@ QUANTIZED_CODES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 KERNEL_POOL_DTYPES = (torch.float32, torch.bfloat16, *QUANTIZED_CODES)  # the pools the kernel reads
 # Model dtypes whose decode the kernel does: float32, and bfloat16, whose query is widened to float32 (exact)
 # and whose output is rounded back, so one decode step is one kernel call per layer instead of SDPA in
-# bfloat16 over gathered K/V (measured: about 0.9 ms per call, most of a bfloat16 decode step's attention).
+# bfloat16 over gathered K/V, otherwise most of a bfloat16 decode step's attention (chapter 9b §9b.7).
 KERNEL_MODEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
