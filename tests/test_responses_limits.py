@@ -228,6 +228,7 @@ def test_input_items_list_delete_and_cancel(client):
                       params={"order": "asc", "after": asc["last_id"]}).json()
     assert [d["id"] for d in rest["data"]] == [data[1]["id"], data[0]["id"]] and rest["has_more"] is False
     for bad, param in (({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"limit": "x"}, "limit"),
+                       ({"limit": "\u00b2"}, "limit"), ({"limit": "\u0664"}, "limit"), ({"limit": "9" * 4301}, "limit"),
                        ({"order": "up"}, "order"), ({"after": "msg_nope"}, "after")):
         assert _error(client.get(f"/v1/responses/{rid}/input_items", params=bad))["param"] == param
     err = _error(client.post(f"/v1/responses/{rid}/cancel"))
@@ -278,6 +279,11 @@ def test_a_response_cut_by_max_output_tokens_ends_incomplete(client):
     assert "response.completed" not in [e["type"] for e in events]
     final = events[-1]["response"]
     assert final["status"] == "incomplete" and final["incomplete_details"] == {"reason": "max_output_tokens"}
+    # the cut message item is "incomplete" too, as OpenAI marks it
+    assert [it["status"] for it in plain["output"] if it["type"] == "message"] == ["incomplete"]
+    assert [it["status"] for it in final["output"] if it["type"] == "message"] == ["incomplete"]
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done" and e["item"]["type"] == "message"]
+    assert [it["status"] for it in done] == ["incomplete"]
     assert client.get(f"/v1/responses/{final['id']}").json()["status"] == "incomplete"
 
 

@@ -457,12 +457,12 @@ class Shell:
                 "user": b.get("user"), "metadata": b.get("metadata") or {}}
 
 
-def output_items(message: dict) -> list[dict]:
-    """A chat answer's message as Response output items: its text as a `message`, then each tool call as a
-    `function_call`."""
+def output_items(message: dict, finish_reason: str | None = None) -> list[dict]:
+    """A chat answer's message as Response output items: its text as a `message` ("incomplete" when the answer
+    was cut, as OpenAI marks it), then each tool call as a `function_call`."""
     items = []
     if message.get("content"):
-        items.append(_message_item(f"msg_{uuid.uuid4().hex}", message["content"]))
+        items.append(_message_item(f"msg_{uuid.uuid4().hex}", message["content"], _status(finish_reason)[0]))
     items += [_call_item(c) for c in message.get("tool_calls") or []]
     return items
 
@@ -522,7 +522,7 @@ async def create_response(request: Request):
     elif not isinstance(answer, dict):  # the client left (499): nobody reads it
         return answer
     choice = answer["choices"][0]
-    output = output_items(choice["message"])
+    output = output_items(choice["message"], choice.get("finish_reason"))
     status, incomplete = _status(choice["finish_reason"])
     response = shell.response(status, output, _usage(answer.get("usage")), incomplete)
     rendered = _render(response)  # before it is stored: what cannot be served is not kept
@@ -572,7 +572,7 @@ async def list_input_items(request: Request, response_id: str):
     (an item id: the list starts after it / ends before it, in that order). Its instructions are not items."""
     q = request.query_params
     limit = q.get("limit", "20")
-    if not limit.isdigit() or not 1 <= int(limit) <= MAX_LIST_LIMIT:
+    if not (limit.isascii() and limit.isdigit() and len(limit) <= 3) or not 1 <= int(limit) <= MAX_LIST_LIMIT:
         raise APIError(400, f"limit must be an integer in [1, {MAX_LIST_LIMIT}], got {echo(limit)}", param="limit")
     order = q.get("order", "desc")
     if order not in ("asc", "desc"):
@@ -625,7 +625,7 @@ async def _events(chat_chunks, shell: Shell, turn: list[dict], store: ResponseSt
             return
         i, text = len(output), message["content"][0]["text"]
         part = message["content"][0]
-        done = {**message, "status": "completed"}
+        done = {**message, "status": _status(finish)[0]}  # "incomplete" once the answer was cut
         output.append(done)
         message = None
         yield ev("response.output_text.done", item_id=done["id"], output_index=i, content_index=0, text=text,
