@@ -19,7 +19,7 @@ import torch
 
 import minfer.parallel.parallel_state as ps
 import minfer.parallel.timeline as timeline
-from minfer.attention import PagedTorchBackend
+from minfer.attention import PagedReferenceBackend, PagedTorchBackend
 from minfer.parallel.parallel_state import ParallelState, init_parallel, place_rank, set_parallel_state
 from minfer.platform import default_device, get_platform
 
@@ -242,7 +242,7 @@ def test_auto_is_triton_on_cuda(dtype):
     assert backend_cls("auto", cuda, dtype) is TritonBackend
     for kv in (torch.int8, torch.float8_e4m3fn):  # a quantized pool: the kernels dequantize on load
         assert backend_cls("auto", cuda, dtype, kv) is TritonBackend
-    assert backend_cls("torch", cuda, dtype) is PagedTorchBackend  # a named backend stays itself
+    assert backend_cls("torch", cuda, dtype) is PagedReferenceBackend  # a named backend stays itself: the plain one
 
 
 def test_auto_on_cuda_keeps_torch_for_a_cast_pool():

@@ -294,9 +294,8 @@ class EngineCore:
             self._added = []
 
     def _discard(self, guided) -> None:
-        so = getattr(self.engine, "structured_output", None)
-        if so is not None:
-            so.discard(guided)
+        """Drop what compiling `guided` left in the structured-output manager (its request is gone)."""
+        self.engine.extension("structured_output").get_manager().discard(guided)
 
     def _release_deferred(self) -> None:
         deferred, self._deferred = self._deferred, []
