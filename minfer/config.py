@@ -599,6 +599,19 @@ def _is_real(v) -> bool:
 ROPE_BASE_WHY = " (RoPE's base: its powers base^(-2i/d) must fall from 1 as i grows)"
 
 
+SHAPE_FIELDS = ("num_attention_heads", "hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size",
+                "num_key_value_heads", "head_dim")
+
+
+def check_shape_fields(d: dict, source: str = "config.json") -> None:
+    """Refuse a shape field of a parsed HF config (`SHAPE_FIELDS`) that is present but not a positive integer
+    (a bool is not one). Raises ValueError naming `source` and the field."""
+    for name in SHAPE_FIELDS:
+        v = d.get(name)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"{source}: {name} must be a positive integer, got {v!r}")
+
+
 def check_finite_numbers(d, source: str = "config.json", max_items: int = 1_000_000) -> None:
     """Refuse a NaN or an infinity anywhere in a parsed config (dicts and lists walked without recursion).
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from minfer.attention import Attention, ForwardContext
-from minfer.config import ModelConfig
+from minfer.config import ModelConfig, check_shape_fields
 from minfer.model.gelu_mlp import activation
 from minfer.model.layers import BuildOptions, Linear, MergedLinear, TiedEmbedding
 from minfer.model.positions import RotaryEmbedding
@@ -161,11 +161,7 @@ def gemma3_config(d: dict, arch, source: str = "config.json") -> ModelConfig:
         inter, vocab = d["intermediate_size"], d["vocab_size"]
     except KeyError as e:
         raise ValueError(f"{source}: missing required field {e.args[0]!r}") from None
-    for name in ("num_attention_heads", "hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size",
-                 "num_key_value_heads", "head_dim"):
-        v = d.get(name)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-            raise ValueError(f"{source}: {name} must be a positive integer, got {v!r}")
+    check_shape_fields(d, source)
     for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
         if d.get(cap):
             raise ValueError(f"{source}: Gemma 3 with {cap}={d[cap]!r} is not supported by minfer")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from minfer.config import ModelConfig
+from minfer.config import ModelConfig, check_shape_fields
 
 
 def llama_config(d: dict, arch, source: str = "config.json") -> ModelConfig:
@@ -23,11 +23,7 @@ def llama_config(d: dict, arch, source: str = "config.json") -> ModelConfig:
         vocab = d["vocab_size"]
     except KeyError as e:
         raise ValueError(f"{source}: missing required field {e.args[0]!r}") from None
-    for name in ("num_attention_heads", "hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size",
-                 "num_key_value_heads", "head_dim"):
-        v = d.get(name)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-            raise ValueError(f"{source}: {name} must be a positive integer, got {v!r}")
+    check_shape_fields(d, source)
     head_dim = d.get("head_dim") or hidden // n_heads
     rope = d.get("rope_parameters") or {}
     if "rope_theta" in rope and not isinstance(rope.get("rope_theta"), dict):
