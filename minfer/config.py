@@ -34,6 +34,22 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8
 QUANTIZED_KV_CACHE_DTYPES = ("int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
+def read_json_object(value, name: str, kind: str) -> dict:
+    """A setting given as a dict or as its JSON text (a flag's value), as a dict.
+
+    Raises:
+        ValueError: text that is not JSON, or a value that is not an object ("{name} must be {kind}").
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be {kind}, got {type(value).__name__}")
+    return value
+
+
 def torch_dtype(name: str):
     """The torch dtype of a name of `DTYPES` ("bf16" -> torch.bfloat16); a torch dtype passes through.
 
@@ -101,18 +117,9 @@ class SpeculativeConfig:
     @classmethod
     def from_dict(cls, d) -> "SpeculativeConfig":
         """Parse and check vLLM's dict (a JSON string is read first). Raises ValueError naming the field."""
-        import json
-
         if isinstance(d, SpeculativeConfig):
             return d
-        if isinstance(d, str):
-            try:
-                d = json.loads(d)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(d, dict):
-            raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
-        d = dict(d)
+        d = dict(read_json_object(d, "speculative_config", "a dict"))
         method = d.get("method")
         if method is None and d.get("model") in ("ngram", "[ngram]"):  # vLLM's older spelling
             method, d["model"] = "ngram", None
@@ -468,13 +475,7 @@ def parse_override_generation_config(value) -> dict:
     """
     if value is None:
         return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"override_generation_config is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"override_generation_config must be a JSON object, got {type(value).__name__}")
+    value = read_json_object(value, "override_generation_config", "a JSON object")
     unknown = sorted(set(value) - set(GENERATION_CONFIG_FIELDS))
     if unknown:
         raise ValueError(f"override_generation_config has unknown field(s) {unknown}; known: "
