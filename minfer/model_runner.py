@@ -82,7 +82,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, batch: "ScheduledBatch") -> ModelRunnerOutput:
-        """Swap and copy blocks, run the forward, sample under the batch's grammar masks (`ModelRunnerOutput`)."""
+        """The block copies the step asks for, the forward, sampling under the rows' token masks (`ModelRunnerOutput`)."""
         rows, logits = self.compute_logits(batch)
         mask = None if batch.token_bitmask is None or not rows else batch.token_bitmask[rows]
         return self._sample(batch, rows, logits, mask, batch.verify_token_bitmasks)
