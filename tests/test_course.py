@@ -159,12 +159,14 @@ def test_every_figure_a_chapter_embeds_is_committed():
 
 
 def figures_saved_by_notebooks() -> set[str]:
-    """The file names under assets/figures/ that some notebook's code cell writes (`savefig(ROOT / ...)`)."""
+    """The file names under assets/figures/ that some notebook's code cell writes (`save_figure(fig, NAME)`)."""
     saved = set()
     for nb in (ROOT / "notebooks").glob("*.ipynb"):
         for cell in json.loads(nb.read_text())["cells"]:
             if cell["cell_type"] == "code":
-                saved |= set(re.findall(r"assets/figures/([\w.-]+\.png)", "".join(cell["source"])))
+                src = "".join(cell["source"])
+                saved |= set(re.findall(r"assets/figures/([\w.-]+\.png)", src))
+                saved |= set(re.findall(r"save_figure\([^,]+,\s*[\"']([\w.-]+\.png)", src))
     return saved
 
 

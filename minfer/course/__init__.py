@@ -1,0 +1,139 @@
+"""The course's helpers for lessons and notebooks: machine notes, synchronized timing, figure saving, exercise checks.
+
+What the notebooks import from here is small on purpose: the lesson code lives in `minfer/` itself, and this package
+only keeps the notebooks honest (say which machine and how busy it was, synchronize before reading a clock on a GPU,
+never rewrite a tracked file unless asked).
+
+    python -m minfer.course exercises --out my-notebooks/   # copies of the notebooks with the solutions blanked
+    python -m minfer.course diagrams                        # redraw assets/diagrams/*.png
+    python -m minfer.course words chapters/*.md             # prose words and machine paragraphs per lesson
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[2]
+FIGURES = ROOT / "assets" / "figures"
+DIAGRAMS = ROOT / "assets" / "diagrams"
+
+__all__ = ["machine", "is_busy", "sync", "timed", "save_figure", "passed", "expect_close", "expect_equal"]
+
+
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux), else `platform.processor()`."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def is_busy(threshold: float = 1.0) -> bool:
+    """True when the 1-minute load average exceeds `threshold` × the number of cores: other work then shares
+    the cores, and wall-clock timings mean little."""
+    return os.getloadavg()[0] > threshold * (os.cpu_count() or 1)
+
+
+def machine(device: str | None = None) -> dict[str, Any]:
+    """Print (and return) the machine a timing comes from: CPU model, cores, the 1-minute load average, and the
+    GPU when `device` is CUDA. When the machine is busy it says plainly that the timings below may not mean
+    anything, so a learner on a shared machine is not misled by a flipped conclusion."""
+    load = round(os.getloadavg()[0], 2)
+    cores = os.cpu_count() or 1
+    info: dict[str, Any] = {"cpu": cpu_name(), "cores": cores, "load_average_1min": load, "busy": is_busy()}
+    line = f"machine: {info['cpu']}, {cores} cores, load average {load}"
+    if device is not None and str(device).startswith("cuda"):
+        import torch
+
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+        line += f"; GPU: {info['gpu']}"
+    print(line)
+    if info["busy"]:
+        print(f"WARNING: the load average ({load}) is above the number of cores ({cores}): other work shares this "
+              "machine, so the timings below may be off by 2x or more and their conclusions may flip. "
+              "Rerun this cell on a quiet machine before you trust them.")
+    return info
+
+
+def sync(device: Any = None) -> None:
+    """Wait for queued GPU work on `device` (a no-op on a CPU): a CUDA kernel launch returns before the kernel
+    ends, so a clock read without this measures the launch, not the work."""
+    import torch
+
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(torch.device(device))
+
+
+def timed(fn: Callable[[], Any], device: Any = None, repeat: int = 3, warmup: int = 1) -> float:
+    """The best of `repeat` wall-clock runs of `fn()` in seconds, synchronized on `device` before and after
+    each run, after `warmup` untimed runs."""
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(repeat):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def save_figure(fig: Any, name: str, dpi: int = 110) -> Path | None:
+    """Save a notebook's figure as `assets/figures/NAME` only when `MINFER_SAVE_FIGURES=1`, so that running a
+    notebook changes no tracked file; `python -m minfer.course figures`-style refreshes set the variable.
+    Returns the path written, or None."""
+    if os.environ.get("MINFER_SAVE_FIGURES") != "1":
+        return None
+    FIGURES.mkdir(parents=True, exist_ok=True)
+    path = FIGURES / name
+    fig.savefig(path, dpi=dpi, bbox_inches="tight", metadata={"Software": None})
+    return path
+
+
+# --- exercise checks ---------------------------------------------------------------------------------------------
+
+
+def passed(exercise: str) -> None:
+    """Print the line a check cell ends with when the learner's answer is right."""
+    print(f"{exercise}: correct")
+
+
+def expect_close(exercise: str, got: Any, expected: Any, *, atol: float = 1e-5, rtol: float = 1e-4,
+                 what: str = "your result") -> None:
+    """Raise AssertionError naming the exercise when `got` is not `expected` within tolerance (tensors, arrays or
+    numbers). The message shows both, so the learner sees how far off they are."""
+    import torch
+
+    g = torch.as_tensor(got, dtype=torch.float64)
+    e = torch.as_tensor(expected, dtype=torch.float64)
+    if g.shape != e.shape:
+        raise AssertionError(f"{exercise}: {what} has shape {tuple(g.shape)}, expected {tuple(e.shape)}")
+    if not torch.allclose(g, e, atol=atol, rtol=rtol, equal_nan=True):
+        err = (g - e).abs().max().item()
+        raise AssertionError(f"{exercise}: {what} differs from minfer's by up to {err:.3g} "
+                             f"(got {_short(g)}, expected {_short(e)})")
+
+
+def expect_equal(exercise: str, got: Any, expected: Any, what: str = "your result") -> None:
+    """Raise AssertionError naming the exercise when `got != expected` (exact: ints, lists, strings, bool tensors)."""
+    import torch
+
+    if isinstance(got, torch.Tensor) or isinstance(expected, torch.Tensor):
+        ok = torch.equal(torch.as_tensor(got), torch.as_tensor(expected))
+    else:
+        ok = got == expected
+    if not ok:
+        raise AssertionError(f"{exercise}: {what} is {_short(got)}, expected {_short(expected)}")
+
+
+def _short(x: Any, n: int = 80) -> str:
+    s = repr(x.tolist() if hasattr(x, "tolist") else x)
+    return s if len(s) <= n else s[: n - 3] + "..."
