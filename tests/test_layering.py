@@ -45,6 +45,7 @@ BELOW_SEAM = (WING, "minfer.model", "minfer.attention")
 SEAM_BUILDERS = {"minfer.model.loader"}
 # Entry points that drive the flow; they may import anything.
 TOP = {"minfer", "minfer.llm", "minfer.engine", "minfer.step_hooks", "minfer.serve", "minfer.generate", "minfer.bench", "minfer.recap",
+       "minfer.course",
        "minfer.eval", "minfer.quantize"}
 
 

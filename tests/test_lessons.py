@@ -12,10 +12,10 @@ import importlib
 import json
 import re
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from minfer.course import notebook_tools as nbt
 from minfer.course.numbers import problems
