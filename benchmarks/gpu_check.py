@@ -16,7 +16,9 @@ Parts (each a key of the JSON; a part that fails records its error and the run g
                 tokens equal the torch backend's.
   5. w4a16      chapter 5's int4 matmul vs bf16 torch.matmul vs dequantize-then-matmul, Llama-3-8B shapes.
   6. decode_kv_quant  paged decode over int8 / fp8_e4m3 codes with per-token scales vs the bf16 cache.
-  7. cuda_graphs  the decode step of the Triton engine's model, eager vs replayed from `CudaGraphRunner`
+  7. notebook_gpu_sections  the guarded GPU cells of notebooks 04, 05 and 06 (`minfer/course/gpu/chNN.py`):
+                what lessons 4, 5 and 6 claim, measured on the GPU (tiny shapes on the CPU in a dry run).
+  8. cuda_graphs  the decode step of the Triton engine's model, eager vs replayed from `CudaGraphRunner`
                 (minfer/cuda_graphs.py) at batch 1, 8, 32: ms per step, and replay == eager (greedy token).
 
 Writes assets/benchmarks/gpu_check.json and assets/figures/gpu_check_*.png, and prints the targets (reported
@@ -482,6 +484,23 @@ def bench_graph_decode(r: Run, sz: dict, llm) -> list[dict]:
 # Targets and figures
 # ---------------------------------------------------------------------------------------------------------------
 
+def run_notebook_sections(r: Run) -> dict:
+    """The guarded GPU sections of the notebooks (04, 05, 06: `minfer/course/gpu/chNN.py`), the code the notebooks
+    run when CUDA is present: on the GPU at full size, in a dry run on tiny shapes on the CPU, so CI runs the same
+    code path a learner with a GPU would."""
+    from minfer.course.gpu import sections
+
+    out = {}
+    for mod in sections():
+        name = mod.__name__.rsplit(".", 1)[1]
+        try:
+            out[name] = mod.run(r.dev, small=r.dry)
+        except Exception as e:  # one broken section must not cost the others
+            out[name] = {"error": error(e, 300)}
+            log(f"[notebook {name}] failed: {error(e, 300)}")
+    return out
+
+
 def targets_of(report: dict) -> dict:
     """Each target's measured value against its bound (TARGETS), where the run measured it."""
     out = {}
@@ -622,6 +641,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # one broken part must not cost the others' numbers
             report[part] = [{"error": error(e, 300)}]
             log(f"[{part}] failed: {error(e, 300)}")
+    report["notebook_gpu_sections"] = run_notebook_sections(r)
     if args.skip_e2e:
         report["end_to_end"], report["cuda_graphs"] = {"skipped": True}, []
     else:

@@ -53,6 +53,9 @@ def test_dry_run_covers_every_part(tmp_path, monkeypatch):
                for row in r["end_to_end"].values())
     assert all("not CUDA" in row["graph_skipped"] and row["eager_ms"] > 0 for row in r["cuda_graphs"])
     assert r["targets"] == {}
+    from minfer.course.gpu import sections
+
+    assert set(r["notebook_gpu_sections"]) == {m.__name__.rsplit(".", 1)[1] for m in sections()}
     names = {pathlib.Path(p).name for p in r["figures"]}
     assert names == {f"gpu_check_{n}.png" for n in ("prefill", "decode", "w4a16", "end_to_end", "cuda_graphs")}
     assert all((tmp_path / n).stat().st_size > 1000 for n in names)
