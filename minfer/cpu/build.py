@@ -48,6 +48,22 @@ def declare(lib: ctypes.CDLL, signatures: dict[str, tuple[list, object]]) -> Non
         f.argtypes, f.restype = argtypes, restype
 
 
+def announce_first_build(build_name: str, source: Path) -> None:
+    """Say on stderr that a kernel is being compiled when no cached build exists: the first start of the server
+    compiles several, which takes up to a few minutes on a small machine, and silence would look like a hang."""
+    import sys
+
+    from torch.utils import cpp_extension
+
+    try:  # torch's own rule for the folder (root/pyXY_cpu/name); private, so a change in torch only costs the line
+        folder = Path(cpp_extension._get_build_directory(build_name, False))
+    except Exception:
+        return
+    if not (folder / f"{build_name}.so").exists():
+        print(f"minfer: compiling the CPU kernel {source.name} for this CPU (first use only; cached in {folder.parent})",
+              file=sys.stderr, flush=True)
+
+
 def load_library(name: str, source: Path, cflags: list[str],
                  unavailable: type[Exception] = KernelUnavailable) -> ctypes.CDLL:
     """Build `source` with `cflags` (once per checkout, source version and kind of CPU) and load it.
@@ -62,6 +78,7 @@ def load_library(name: str, source: Path, cflags: list[str],
         # version) used in turn do not keep rebuilding each other's library.
         text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
         key = hashlib.sha1(f"{source}\n{cflags}\n{cpu_identity()}\n".encode() + text).hexdigest()[:12]
+        announce_first_build(f"{name}_{key}", source)
         path = load(name=f"{name}_{key}", sources=[str(source)], extra_cflags=cflags,
                     extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         return ctypes.CDLL(path)
