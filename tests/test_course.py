@@ -27,19 +27,23 @@ def course_rows() -> list[dict]:
         if not line.startswith("| ") or line.startswith("| §") or set(line) <= {"|", "-", " "}:
             continue
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        assert len(cells) == 5, f"a course row needs 5 columns: {line}"
-        sections, chapter, notebook, modules, tests = cells
+        assert len(cells) == 6, f"a course row needs 6 columns (§, lesson, notebook, modules, lab notes, tests): {line}"
+        sections, chapter, notebook, modules, lab, tests = cells
         rows.append({"sections": [int(s) for s in re.findall(r"\d+", sections)], "chapter": chapter,
-                     "notebook": notebook, "modules": modules, "tests": tests, "line": line})
+                     "notebook": notebook, "modules": modules, "lab": lab, "tests": tests, "line": line})
     return rows
 
 
-def test_every_section_has_a_row_in_the_articles_order():
+def test_every_section_has_a_row_and_rows_follow_the_lessons_order():
+    """Every § of the article has a lesson, and the course map lists the lessons in reading order, which is the
+    order of their numbers (00, 01, 02, 03, 03b, 04, ...), and lists every lesson."""
     rows = course_rows()
     covered = {s for r in rows for s in r["sections"]}
     assert covered == SECTIONS, f"sections without a row: {sorted(SECTIONS - covered)}"
-    firsts = [r["sections"][0] for r in rows]
-    assert firsts == sorted(firsts), f"rows are not in the article's order: {firsts}"
+    files = [re.findall(r"\]\(chapters/([^)]+)\)", r["chapter"])[0] for r in rows]
+    key = lambda f: (int(re.match(r"\d+", f).group(0)), f)  # noqa: E731
+    assert files == sorted(files, key=key), f"rows are not in the lessons' order: {files}"
+    assert set(files) == {p.name for p in (ROOT / "chapters").glob("*.md")}, "the course map must list every lesson"
 
 
 def test_listed_files_exist():
@@ -54,6 +58,9 @@ def test_listed_files_exist():
         for nb in re.findall(r"`([^`]+\.ipynb)`", r["notebook"]):
             if not (ROOT / nb).is_file():
                 problems.append(f"notebook {nb}")
+        for link in re.findall(r"\]\(([^)]+)\)", r["lab"]):
+            if not (ROOT / link).is_file():
+                problems.append(f"lab notes {link}")
         for t in re.findall(r"tests/[\w/]+\.py", r["tests"]):
             if not (ROOT / t).is_file():
                 problems.append(f"test {t}")

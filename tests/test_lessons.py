@@ -231,3 +231,28 @@ def test_machine_note_warns_when_busy(monkeypatch, capsys):
     monkeypatch.setattr(os, "getloadavg", lambda: (0.2, 0.2, 0.2))
     assert not course.machine()["busy"]
     assert "WARNING" not in capsys.readouterr().out
+
+
+def test_readme_is_the_front_door():
+    """What minfer is comes first (≤ 120 words after the two commands), the whole README stays ≤ 2,000 words,
+    and its quoted results match their JSONs."""
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text.split("\n## ", 1)[0], re.S)
+    assert len(blocks) == 2 and "scripts/setup.sh &&" in blocks[0] and "setup.sh --test &&" in blocks[1], blocks
+    first = re.sub(r"^(```).*?^\1", "", text.split("\n## ", 1)[0], flags=re.S | re.M)
+    paragraph = next(p for p in re.split(r"\n\s*\n", first) if p.strip() and not p.startswith("#"))
+    assert "inference engine" in paragraph and len(paragraph.split()) <= 120, paragraph
+    assert len(text.split()) <= 2000, f"the README has {len(text.split())} words"
+    assert problems(ROOT / "README.md") == []
+
+
+def test_the_package_imports_from_the_folder_that_holds_a_checkout_named_minfer(tmp_path):
+    """A learner who cloned into `minfer/` and runs Python beside it gets the package, not the folder (the
+    README's snippets work from any folder): scripts/setup.sh installs in compat editable mode."""
+    import subprocess
+
+    (tmp_path / "minfer").symlink_to(ROOT)
+    r = subprocess.run([sys.executable, "-c", "from minfer import LLM, SamplingParams; print('ok')"], cwd=tmp_path,
+                       capture_output=True, text=True, env={k: v for k, v in __import__("os").environ.items()
+                                                            if k != "PYTHONPATH"})
+    assert r.stdout.strip() == "ok", r.stderr[-500:]
