@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from minfer.course.numbers import problems
+
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = set(range(18))  # the article's §0-§17 (../shared/seed/OUTLINE.md)
 MISSING = "not written yet"
@@ -234,3 +236,30 @@ def test_enforce_eager_help_says_what_it_does_on_cpu_and_gpu():
 
     help_text = re.sub(r"\s+", " ", build_parser()._option_string_actions["--enforce-eager"].help)
     assert "CPU" in help_text and "CUDA" in help_text and "decode step" in help_text and "graph" in help_text
+
+
+# --- issue 39: every number a lesson quotes is checked against the JSON or notebook output it links to ---------
+
+LESSONS = sorted((ROOT / "chapters").glob("*.md"))
+LABS = sorted((ROOT / "chapters" / "lab").glob("*.md"))
+
+
+@pytest.mark.parametrize("lesson", LESSONS + LABS, ids=lambda p: p.parent.name + "/" + p.name)
+def test_quoted_numbers_match_their_sources(lesson):
+    bad = problems(lesson)
+    assert not bad, f"{lesson.name}:\n" + "\n".join(bad)
+
+
+def test_a_wrong_quoted_number_fails(tmp_path):
+    """The numbers check can fail: a lesson quoting a JSON value or a notebook output wrongly is caught."""
+    (tmp_path / "r.json").write_text(json.dumps({"runs": [{"ttft_ms": 498.04, "a": 3.0, "b": 2.0}]}))
+    (tmp_path / "n.ipynb").write_text(json.dumps({"cells": [{"cell_type": "code", "source": "", "outputs": [
+        {"output_type": "stream", "name": "stdout", "text": "offline engine: 4997 ms\n"}]}]}))
+    good = tmp_path / "good.md"
+    good.write_text("TTFT was [498 ms](r.json#/runs/0/ttft_ms), a [1.5×](r.json#/runs/0/a:/runs/0/b) gain, "
+                    "and [4,997 ms](n.ipynb) offline.\n")
+    assert problems(good) == []
+    bad = tmp_path / "bad.md"
+    bad.write_text("TTFT was [123 ms](r.json#/runs/0/ttft_ms) and [101 s](n.ipynb); decode took 43.4 ms.\n")
+    found = problems(bad)
+    assert len(found) == 3, found
