@@ -47,8 +47,8 @@ def run(device: str = "cuda", small: bool = False) -> dict[str, Any]:
     and rows of {seq_len, flash_ms, naive_ms, naive_over_flash, flash_peak_mib, naive_peak_mib,
     score_matrix_mib, max_abs_err}; naive_ms is None where naive attention ran out of memory.
     """
-    from minfer.course import machine, timed
     import minfer.kernels as K
+    from minfer.course import machine, timed
     from minfer.kernels import reference as R
 
     dev = torch.device(device)
