@@ -86,7 +86,7 @@ def run(device: str = "cuda", small: bool = False) -> dict[str, Any]:
             del ref
         except torch.cuda.OutOfMemoryError:
             row.update(naive_ms=None, naive_peak_mib=None, max_abs_err=None, naive_over_flash=None)
-        del out, q, k, v
+        del out
         if dev.type == "cuda":
             torch.cuda.empty_cache()
         rows.append(row)
