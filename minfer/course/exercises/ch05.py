@@ -30,7 +30,7 @@ def check_fake_quant_int4(fake_quant_int4) -> None:
         expected = dequantize_int4(*quantize_int4(w, g))
         expect_close(ex, got, expected, atol=1e-6, rtol=1e-5, what=f"w_hat at group size {g}")
     err = (got - w).abs().max().item()
-    print(f"largest |w_hat - w| at G = 64: {err:.4f} (half a step of the widest group)")
+    print(f"largest |w_hat - w| at G = 64: {err:.4f} (in the groups of the outlier column, whose step is widest)")
     passed(ex)
 
 
