@@ -1,5 +1,5 @@
-"""Chapter 12c (article §6-5) quotes its numbers from `assets/benchmarks/cpu_tenants.json` and
-`minfer.parallel.mig`: every table row the chapter prints is recomputed here from those sources."""
+"""Chapter 12c (article §6-5) and its lab notes quote their numbers from `assets/benchmarks/cpu_tenants.json` and
+`minfer.parallel.mig`: every table row the lesson or the lab notes print is recomputed here from those sources."""
 
 import json
 import re
@@ -12,12 +12,14 @@ from minfer.parallel.mig import mig_table
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTER = ROOT / "chapters" / "12c-isolation.md"
+LAB = ROOT / "chapters" / "lab" / "12c-isolation.md"
 DATA = json.loads((ROOT / "assets" / "benchmarks" / "cpu_tenants.json").read_text())
-TEXT = CHAPTER.read_text()
+LESSON = CHAPTER.read_text()
+TEXT = LESSON + "\n" + LAB.read_text()  # the lesson keeps part c and the H100's MIG rows; the lab notes the rest
 
 
 def row(key: str) -> list[str]:
-    """The cells of the chapter's table row whose first cell is `key` (in backticks)."""
+    """The cells of the first table row, in the lesson or its lab notes, whose first cell is `key` (in backticks)."""
     for line in TEXT.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if line.startswith("|") and cells[0] == f"`{key}`":
@@ -31,11 +33,11 @@ def numbers(cells: list[str]) -> list[str]:
 
 def test_chapter_has_the_sections_and_the_figure():
     for heading in ("MIG", "NUMA", "pinning", "tenants"):
-        assert re.search(rf"^## .*{heading}", TEXT, re.M | re.I), heading
-    assert "![" in TEXT and "../assets/figures/cpu_tenants.png" in TEXT
+        assert re.search(rf"^## .*{heading}", LESSON, re.M | re.I), heading
+    assert "![" in LESSON and "../assets/figures/cpu_tenants.png" in LESSON
     assert (ROOT / "assets/figures/cpu_tenants.png").is_file()
-    assert "computed, not measured" in TEXT
-    assert "numactl --cpunodebind" in TEXT and "--membind" in TEXT
+    assert "computed, not measured" in LESSON
+    assert "numactl --cpunodebind" in LESSON and "--membind" in LESSON
 
 
 def test_machine_layout_recorded():
