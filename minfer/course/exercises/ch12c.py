@@ -5,8 +5,16 @@ from __future__ import annotations
 from fractions import Fraction
 
 from minfer.course import expect_equal, passed
-from minfer.parallel.mig import GPUS_GB, MIG_PROFILES, MODELS, WEIGHT_BYTES, num_parameters, replicas_per_slice, slice_bytes
 from minfer.memory import kv_bytes_per_token
+from minfer.parallel.mig import (
+    GPUS_GB,
+    MIG_PROFILES,
+    MODELS,
+    WEIGHT_BYTES,
+    num_parameters,
+    replicas_per_slice,
+    slice_bytes,
+)
 
 
 def check_kv_tokens(answer) -> None:
