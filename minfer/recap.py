@@ -193,7 +193,8 @@ def check_pp_vs_tp(ctx: RecapContext) -> Evidence:
 
 # -- 7. KV offload costs latency ---------------------------------------------------------------------------
 
-PCIE4_X16_BYTES_S = 25e9  # effective host<->device bandwidth of PCIe 4.0 x16 (32 GB/s peak), a stated figure
+PCIE5_X16_BYTES_S = 50e9  # effective host<->device bandwidth of PCIe Gen 5 x16, an H200 host's link (64 GB/s
+#                           per direction peak, about 50 in practice): a stated figure
 H200_HBM_BYTES_S = 4.8e12  # NVIDIA's H200 datasheet figure
 
 
@@ -203,7 +204,7 @@ def check_kv_offload(ctx: RecapContext, context_tokens: int = 4096) -> Evidence:
     cfg = ctx.llm.llm_engine.model_config.config
     per_token = memory.kv_bytes_per_token(cfg, "bfloat16")
     total = per_token * context_tokens
-    pcie_ms = total / PCIE4_X16_BYTES_S * 1e3
+    pcie_ms = total / PCIE5_X16_BYTES_S * 1e3
     hbm_ms = total / H200_HBM_BYTES_S * 1e3
     src, dst = torch.ones(total // 4), torch.zeros(total // 4)
     dst.copy_(src)  # first touch of the pages, not counted
@@ -211,7 +212,7 @@ def check_kv_offload(ctx: RecapContext, context_tokens: int = 4096) -> Evidence:
     dst.copy_(src)
     host_ms = (time.perf_counter() - t0) * 1e3
     lines = [f"KV of one {context_tokens}-token sequence (bf16): {memory.human_bytes(total)}",
-             f"read from H200 HBM: {hbm_ms:.3f} ms; over PCIe 4.0 x16: {pcie_ms:.2f} ms "
+             f"read from H200 HBM: {hbm_ms:.3f} ms; over PCIe Gen 5 x16: {pcie_ms:.2f} ms "
              f"({pcie_ms / hbm_ms:.0f}x, computed from stated bandwidths)",
              f"one host-memory copy of it on this machine: {host_ms:.2f} ms (measured)"]
     return Evidence(supports=1 if pcie_ms > 10 * hbm_ms else 0, lines=lines)
@@ -312,7 +313,8 @@ QUESTIONS: tuple[Question, ...] = (
              ("m and n separately, like an absolute position embedding", "only the distance n − m",
               "neither: RoPE only changes the values V"), 1,
              "RoPE rotates q and k by angles proportional to their positions, so their dot product keeps only "
-             "the difference. Absolute embeddings are added to the input once; RoPE acts on Q/K in every layer.",
+             "the difference. Absolute embeddings are added to the input once; RoPE acts on Q/K in every layer. "
+             "A model uses one or the other: Llama, Qwen and SmolLM2 have no absolute table, GPT-2 has only one.",
              check_rope),
     Question("max_model_len", "chapter 1, §10", "max_model_len is 4096 and the prompt has 3000 tokens. The "
              "largest max_tokens the engine accepts is ...", ("4096", "1096", "3000"), 1,

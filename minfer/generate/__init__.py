@@ -92,20 +92,27 @@ class SimpleGenerator:
         ctx = ForwardContext(cache, positions=torch.arange(len(prompt_ids), device=self.device), start_pos=0)
         return self.model.compute_logits(self.run_model(ids, ctx))
 
+    def _clock(self) -> float:
+        """`time.perf_counter()` after the device's queued work is done: a CUDA kernel launch returns before
+        the kernel ends, so without the synchronize a GPU's TTFT would time the launches, not the prefill."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
     @torch.inference_mode()
     def generate(self, seq: Sequence, on_token=None) -> GenerationTimings:
         """Grow `seq` until it finishes. `on_token(seq)` is called after each new token (streaming)."""
         timings = GenerationTimings(prompt_tokens=seq.num_prompt_tokens)
         cache = self.new_cache(min(seq.max_model_len, seq.num_prompt_tokens + seq.max_tokens))
-        t0 = time.perf_counter()
+        t0 = self._clock()
         ids = torch.tensor(seq.prompt_token_ids, device=self.device)
         pos = torch.arange(seq.num_prompt_tokens, device=self.device)
         hidden = self.run_model(ids, ForwardContext(cache, positions=pos, start_pos=0))
         logits = self.model.compute_logits(hidden[-1:])
-        timings.prefill_s = time.perf_counter() - t0
+        timings.prefill_s = self._clock() - t0
         token_buf = torch.empty(1, dtype=torch.long, device=self.device)
         pos_buf = torch.empty(1, dtype=torch.long, device=self.device)
-        t0 = time.perf_counter()
+        t0 = self._clock()
         while True:
             tokens, chosen, tops = self.sampler(logits, [seq])
             seq.append_token(int(tokens[0]), float(chosen[0]) if chosen is not None else 0.0,
@@ -122,7 +129,7 @@ class SimpleGenerator:
             hidden = self.run_model(token_buf, ForwardContext(cache, positions=pos_buf, start_pos=p))
             logits = self.model.compute_logits(hidden)
             timings.decode_tokens += 1
-        timings.decode_s = time.perf_counter() - t0
+        timings.decode_s = self._clock() - t0
         if self.output_processor is not None:
             self.output_processor.free(seq)
         self.sampler.release([seq.seq_id])
