@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 import json
 import random
 from types import SimpleNamespace
@@ -43,7 +44,9 @@ def _client_metrics(start: float, token_times: list[float]) -> tuple[float, floa
             with mock.patch.object(bench, "time", SimpleNamespace(perf_counter=lambda: next(clock))):
                 return await bench._send(client, "http://test/v1/completions", "m", req, start, None)
 
-    res = asyncio.run(run())
+    # in a thread of its own: a notebook's kernel already runs an event loop in this one
+    with ThreadPoolExecutor(1) as pool:
+        res = pool.submit(asyncio.run, run()).result()
     assert res.success, res.error
     tpot = (res.latency - res.ttft) / (res.output_tokens - 1)  # as `benchmark` computes it
     return res.ttft, tpot, list(res.itl)
