@@ -1,8 +1,8 @@
 """Checks for notebook 09 (serving): latency metrics from a stream's token timestamps, and the max_tokens bound.
 
-- `check_stream_metrics(fn)`: `fn(start, token_times) -> (ttft, tpot, itls)` must agree with what minfer's load
+- `check_stream_metrics(fn)` (Exercise 9.2): `fn(start, token_times) -> (ttft, tpot, itls)` must agree with what minfer's load
   client (`minfer.bench.serve._send`, and the TPOT of `benchmark`) measures from the same stream.
-- `check_max_new_tokens(fn)`: `fn(prompt_len, max_model_len) -> int` must be the largest `max_tokens` that the
+- `check_max_new_tokens(fn)` (Exercise 9.1): `fn(prompt_len, max_model_len) -> int` must be the largest `max_tokens` that the
   engine's admission check (`minfer.sequence.validate_prompt`) accepts, 0 when none fits.
 """
 
@@ -53,7 +53,7 @@ def _client_metrics(start: float, token_times: list[float]) -> tuple[float, floa
 
 
 def check_stream_metrics(stream_metrics: Callable) -> None:
-    """Exercise 9.1: TTFT, TPOT and ITL from the arrival times of a stream's tokens."""
+    """Exercise 9.2: TTFT, TPOT and ITL from the arrival times of a stream's tokens."""
     rng = random.Random(9)
     for n in (2, 5, 16):
         start = rng.uniform(0, 10)
@@ -63,12 +63,12 @@ def check_stream_metrics(stream_metrics: Callable) -> None:
             t += rng.uniform(0.01, 0.3)
         got = stream_metrics(start, list(times))
         if not (isinstance(got, tuple) and len(got) == 3):
-            raise AssertionError("Exercise 9.1: return a tuple (ttft, tpot, itls)")
+            raise AssertionError("Exercise 9.2: return a tuple (ttft, tpot, itls)")
         ttft, tpot, itls = _client_metrics(start, times)
-        expect_close("Exercise 9.1", got[0], ttft, atol=1e-9, what=f"TTFT ({n} tokens)")
-        expect_close("Exercise 9.1", list(got[2]), itls, atol=1e-9, what=f"the ITL list ({n} tokens)")
-        expect_close("Exercise 9.1", got[1], tpot, atol=1e-9, what=f"TPOT ({n} tokens)")
-    passed("Exercise 9.1")
+        expect_close("Exercise 9.2", got[0], ttft, atol=1e-9, what=f"TTFT ({n} tokens)")
+        expect_close("Exercise 9.2", list(got[2]), itls, atol=1e-9, what=f"the ITL list ({n} tokens)")
+        expect_close("Exercise 9.2", got[1], tpot, atol=1e-9, what=f"TPOT ({n} tokens)")
+    passed("Exercise 9.2")
 
 
 def _largest_accepted(prompt_len: int, max_model_len: int) -> int:
@@ -87,11 +87,11 @@ def _largest_accepted(prompt_len: int, max_model_len: int) -> int:
 
 
 def check_max_new_tokens(max_new_tokens: Callable) -> None:
-    """Exercise 9.2: the largest max_tokens a request may ask for under max_model_len."""
+    """Exercise 9.1: the largest max_tokens a request may ask for under max_model_len."""
     for prompt_len, max_model_len in [(10, 64), (63, 64), (64, 64), (100, 64), (1, 32), (500, 512)]:
-        expect_equal("Exercise 9.2", max_new_tokens(prompt_len, max_model_len), _largest_accepted(prompt_len, max_model_len),
+        expect_equal("Exercise 9.1", max_new_tokens(prompt_len, max_model_len), _largest_accepted(prompt_len, max_model_len),
                      what=f"max_new_tokens(prompt_len={prompt_len}, max_model_len={max_model_len})")
-    passed("Exercise 9.2")
+    passed("Exercise 9.1")
 
 
 def _wrong_stream_metrics(start, token_times):
