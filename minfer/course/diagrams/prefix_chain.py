@@ -9,7 +9,7 @@ NAME = "prefix_chain"
 
 def draw(path: Path) -> None:
     import matplotlib.pyplot as plt
-    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle
+    from matplotlib.patches import FancyArrowPatch, Rectangle
 
     fig, ax = plt.subplots(figsize=(14, 6.6), facecolor="white")
     ax.set_xlim(0, 28)

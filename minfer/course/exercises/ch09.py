@@ -1,17 +1,17 @@
 """Checks for notebook 09 (serving): latency metrics from a stream's token timestamps, and the max_tokens bound.
 
-- `check_stream_metrics(fn)` (Exercise 9.2): `fn(start, token_times) -> (ttft, tpot, itls)` must agree with what minfer's load
-  client (`minfer.bench.serve._send`, and the TPOT of `benchmark`) measures from the same stream.
-- `check_max_new_tokens(fn)` (Exercise 9.1): `fn(prompt_len, max_model_len) -> int` must be the largest `max_tokens` that the
-  engine's admission check (`minfer.sequence.validate_prompt`) accepts, 0 when none fits.
+- `check_stream_metrics(fn)` (Exercise 9.2): `fn(start, token_times) -> (ttft, tpot, itls)` must agree with what
+  minfer's load client (`minfer.bench.serve._send`, and the TPOT of `benchmark`) measures from the same stream.
+- `check_max_new_tokens(fn)` (Exercise 9.1): `fn(prompt_len, max_model_len) -> int` must be the largest
+  `max_tokens` that the engine's admission check (`minfer.sequence.validate_prompt`) accepts, 0 when none fits.
 """
 
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
 import json
 import random
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Callable
 from unittest import mock
