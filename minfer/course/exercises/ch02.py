@@ -6,8 +6,6 @@ Each check builds small seeded inputs on the CPU and compares the learner's func
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from minfer.course import expect_close, passed
