@@ -140,15 +140,18 @@ def _rates(prompt_tokens: int, output_tokens: int, seconds: float) -> dict:
                 output_tok_s=output_tokens / seconds, total_tok_s=(prompt_tokens + output_tokens) / seconds)
 
 
-def load_hf_model(llm=None):
-    """transformers' model on the same GGUF weights (float32), and its tokenizer's pad id."""
+def load_hf_model(llm=None, device: str | torch.device | None = None):
+    """transformers' model on the same GGUF weights (float32), on the device of minfer's `llm` (or `device`;
+    the CPU when neither is given), so that the static-batching baseline and the engine run on one device."""
     from transformers import AutoModelForCausalLM
 
     from minfer.model.sources import find_default_gguf
 
+    if device is None:
+        device = llm.llm_engine.device if llm is not None else "cpu"
     p = find_default_gguf()
     model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
-    return model
+    return model.to(device)
 
 
 # -- 1. throughput ---------------------------------------------------------------------------------------
@@ -200,10 +203,30 @@ def _timed_step(engine, t0: float) -> dict:
                 finished=sum(1 for o in outs if o.finished))
 
 
+def static_batch_slots(prompt_lens: list[int], output_lens: list[int], batch_size: int) -> dict:
+    """The token slots static batching computes: each batch of `batch_size` requests (in order; the last may
+    be smaller) pads every prompt to the batch's longest and runs every row until the batch's longest output.
+    Returns prompt slots, output slots, the useful tokens (what was asked for) and the wasted share."""
+    prompt_slots = output_slots = 0
+    for i in range(0, len(prompt_lens), batch_size):
+        ps, ms = prompt_lens[i:i + batch_size], output_lens[i:i + batch_size]
+        prompt_slots += len(ps) * max(ps)
+        output_slots += len(ms) * max(ms)
+    useful = sum(prompt_lens) + sum(output_lens)
+    total = prompt_slots + output_slots
+    return dict(prompt_slots=prompt_slots, output_slots=output_slots, useful=useful,
+                wasted_share=1 - useful / total if total else 0.0)
+
+
 def run_static_hf(model, prompts: list[list[int]], max_tokens: list[int], batch_size: int, pad_id: int = 0,
                   progress: bool = True) -> dict:
     """transformers' static batching: left-pad each batch of `batch_size`, generate the batch's longest output
-    for every row. Only the requested tokens count (the rest is padding/waiting)."""
+    for every row. Only the requested tokens count (the rest is padding/waiting). The inputs go to the model's
+    own device, and the clock is read after that device's queued work is done (a no-op on a CPU)."""
+    from minfer.course import sync
+
+    device = next(model.parameters()).device
+    sync(device)
     t0 = time.perf_counter()
     batches = range(0, len(prompts), batch_size)
     padded_tokens = generated_tokens = 0
@@ -216,10 +239,11 @@ def run_static_hf(model, prompts: list[list[int]], max_tokens: list[int], batch_
             ids[r, width - len(p):] = torch.tensor(p)
             mask[r, width - len(p):] = 1
         with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=m, min_new_tokens=m, do_sample=False,
-                           pad_token_id=pad_id)
+            model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=m,
+                           min_new_tokens=m, do_sample=False, pad_token_id=pad_id)
         padded_tokens += width * len(ps)
         generated_tokens += m * len(ps)
+    sync(device)
     dt = time.perf_counter() - t0
     out = _rates(sum(map(len, prompts)), sum(max_tokens), dt)
     out.update(batch_size=batch_size, computed_prompt_tokens=padded_tokens, computed_output_tokens=generated_tokens)
@@ -247,8 +271,8 @@ def _warmup(llm, hf_model=None):
     llm.generate_simple([100 + i for i in range(16)], greedy(2))
     if hf_model is not None:
         with torch.inference_mode():
-            hf_model.generate(input_ids=torch.arange(100, 116)[None], max_new_tokens=2, do_sample=False,
-                              pad_token_id=0)
+            hf_model.generate(input_ids=torch.arange(100, 116, device=next(hf_model.parameters()).device)[None],
+                              max_new_tokens=2, do_sample=False, pad_token_id=0)
 
 
 def run_throughput(llm=None, hf_model=None, settings: Settings | None = None, progress: bool = True,
@@ -263,7 +287,7 @@ def run_throughput(llm=None, hf_model=None, settings: Settings | None = None, pr
     vocab = llm.llm_engine.model_config.vocab_size
     prompts, outs = make_workload(s.num_requests, s.prompt_len, s.output_len, vocab, s.seed)
     if "static" in baselines and hf_model is None:
-        hf_model = load_hf_model()
+        hf_model = load_hf_model(llm)  # on the engine's device
     _warmup(llm, hf_model if "static" in baselines else None)
     before = llm.stats()
     res = dict(settings=dict(num_requests=s.num_requests, prompt_len=list(s.prompt_len), output_len=list(s.output_len),
