@@ -1,5 +1,5 @@
 """The best float32 matmul speed torch reaches on this CPU: square products of 1,024 to 3,072 through `torch.mm`
-(MKL / oneDNN) and oneDNN's packed linear, 2 threads, best of 5 (GFLOP/s = 2 n^3 / time). Chapter 9b §9b.13.1
+(MKL / oneDNN) and oneDNN's packed linear, 2 threads, best of 5 (GFLOP/s = 2 n^3 / time). Lab notes 9b §9b.13.1
 uses it beside `serve_roofline.py`'s projection-shape speed: together they say how close the served workload's
 ceiling is to what this CPU's float32 units give.
 

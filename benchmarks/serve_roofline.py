@@ -1,6 +1,6 @@
 """The compute ceiling of a serving benchmark on this machine: how many output tokens per second any server could
 reach on `vllm bench serve`'s random workload if its float32 matmuls ran at the speed of one large oneDNN GEMM
-(issue 32, chapter 9b §9b.6).
+(issue 32, lab notes 9b (chapters/lab/09b-cpu-performance.md) §9b.6).
 
     python benchmarks/serve_roofline.py [--model-dir /tmp/smollm2-hf] [--input-len 192] [--output-len 48]
         [--threads 2] [--json PATH]

@@ -74,7 +74,7 @@ SPECULATIVE_METHODS = ("ngram", "draft_model")
 # decodes. On a CPU a smaller step costs more per token (oneDNN's GEMM loses efficiency on fewer rows) and a
 # larger one delays streams longer; 512 keeps a step of SmolLM2 on 2 cores under the 2 s bound
 # tests/test_no_stall.py holds streams to, and gave the best throughput and TTFT of the budgets measured in
-# chapter 9b §9b.12. On a GPU a 2,048-token chunk is milliseconds (vLLM's default for the LLM class).
+# lab notes 9b §9b.12. On a GPU a 2,048-token chunk is milliseconds (vLLM's default for the LLM class).
 DEFAULT_CHUNK_BUDGET = {"cpu": 512, "cuda": 2048}
 
 

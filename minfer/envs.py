@@ -150,7 +150,7 @@ def worker_control_environ(addr: str, authkey: bytes) -> dict[str, str]:
 #   engine_core (the server's engine process): it runs the forward and little else, so its threads stay
 #     awake across a whole step (libgomp's default, 300000), as vLLM's CPU workers do; a niced server is a
 #     background job among others, where a spinning thread burns the slices its own threads need (100).
-# Chapter 9b §9b.11 has the measurements.
+# Lab notes 9b (chapters/lab/09b-cpu-performance.md) §9b.11 has the measurements.
 OFFLINE_SPINCOUNT = "10000"
 ENGINE_CORE_SPINCOUNT = "300000"
 ENGINE_CORE_SPINCOUNT_NICED = "100"

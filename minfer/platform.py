@@ -228,7 +228,7 @@ class CpuPlatform(Platform):
         bad override.
 
         bfloat16 goes to oneDNN's packed product where it runs: several times faster than a batched matmul
-        for the linears of a decode step (chapter 9b §9b.6)."""
+        for the linears of a decode step (lab notes 9b (chapters/lab/09b-cpu-performance.md) §9b.6)."""
         if self.reference:
             return UnquantizedLinearMethod()
         from minfer.cpu.linear import HybridLinearMethod, SplitLinearMethod, onednn_supports

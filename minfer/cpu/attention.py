@@ -12,7 +12,7 @@ in about a second.
 
 `CpuPagedBackend` is `minfer.attention.torch_ref.PagedTorchBackend` with the decode part replaced, and its
 prefill (one sequence's causal attention) on `csrc/prefill_cpu.cpp` where that applies (`attend_prefill_cpu`:
-float32, no ALiBi or short window; chapter 9b §9b.8), as `CpuContiguousBackend`'s. It also reads a quantized
+float32, no ALiBi or short window; lab notes 9b §9b.8), as `CpuContiguousBackend`'s. It also reads a quantized
 pool (`kv_cache_dtype` int8 / fp8, `minfer.attention.kv_quant`): the codes in place, with their per-token scales
 (`minfer_paged_decode_q8`). The engine uses it by default for float32 on the CPU when the kernel builds
 (`attention_backend="auto"`), and falls
@@ -226,7 +226,7 @@ QUANTIZED_CODES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 KERNEL_POOL_DTYPES = (torch.float32, torch.bfloat16, *QUANTIZED_CODES)  # the pools the kernel reads
 # Model dtypes whose decode the kernel does: float32, and bfloat16, whose query is widened to float32 (exact)
 # and whose output is rounded back, so one decode step is one kernel call per layer instead of SDPA in
-# bfloat16 over gathered K/V, otherwise most of a bfloat16 decode step's attention (chapter 9b §9b.7).
+# bfloat16 over gathered K/V, otherwise most of a bfloat16 decode step's attention (lab notes 9b §9b.7).
 KERNEL_MODEL_DTYPES = (torch.float32, torch.bfloat16)
 
 

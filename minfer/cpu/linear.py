@@ -17,7 +17,7 @@
 - `"panels"` (float32): `[ceil(out/16), in, 16]`, run by minfer's own few-row kernel
   (`minfer.cpu.gemm_f32`): each 64-byte line of weights feeds the FMAs of up to 16 rows while the
   next lines are prefetched, so a decode step of 1-16 rows streams the weights once at close to the memory's
-  rate (faster than oneDNN's for 1 to 16 rows: chapter 9b §9b.6).
+  rate (faster than oneDNN's for 1 to 16 rows: lab notes 9b (chapters/lab/09b-cpu-performance.md) §9b.6).
 - `"hybrid"` (the default for float32 and bfloat16 on a CPU with oneDNN): two copies, a few-row one ("panels"
   for float32 where its kernel builds, else "split") for up to 16 rows (one for "split"), and "onednn" for
   more. It stores the weights twice (2 x 540 MB for SmolLM2 in float32), the price of the fastest product at
@@ -179,7 +179,7 @@ class PanelLinearMethod(UnquantizedLinearMethod):
     kernel of `minfer.cpu.gemm_f32` (for any number of rows, but built for up to `max_rows`)."""
 
     name = "panels"
-    max_rows = 16  # up to here it beats oneDNN's product in the engine (chapter 9b §9b.6)
+    max_rows = 16  # up to here it beats oneDNN's product in the engine (lab notes 9b (chapters/lab/09b-cpu-performance.md) §9b.6)
 
     def process_weights_after_loading(self, layer: "Linear") -> None:
         self.repack(layer)

@@ -6,7 +6,7 @@ dynamically up to 32 MB as large blocks are freed) with a fresh `mmap`, and retu
 the heap to the kernel past its trim threshold; the next step's tensors then fault their pages in again,
 each page zeroed by the kernel. Fixing the mmap threshold at its maximum (32 MB) and the trim threshold high
 keeps that memory in the process: less prefill time, less system CPU time and a lower TTFT on the serving
-workload of `benchmarks/wave_profile.py` (chapter 9b §9b.4 has the measurements).
+workload of `benchmarks/wave_profile.py` (lab notes 9b (chapters/lab/09b-cpu-performance.md) §9b.4 has the measurements).
 
 The cost: the process keeps its peak heap (what the largest step needed) instead of giving it back between
 steps; an engine that holds a KV pool of gigabytes anyway does not miss it. This is what vLLM's CPU backend

@@ -447,5 +447,5 @@ def core_main(engine_args, input_addr: str, output_addr: str, test_slow_step_s: 
     # libgomp keeps a pool of workers per thread that starts parallel regions; a loop in a second thread would
     # make two (more threads than the cores), and when it manages more threads than there are CPUs libgomp
     # spins only 100 iterations before a waiting worker sleeps, whatever GOMP_SPINCOUNT says: the worker
-    # would sleep and be woken hundreds of times per step (chapter 9b §9b.11 has the measurements).
+    # would sleep and be woken hundreds of times per step (lab notes 9b (chapters/lab/09b-cpu-performance.md) §9b.11 has the measurements).
     EngineCore(engine, inp, out, test_slow_step_s=test_slow_step_s).run()

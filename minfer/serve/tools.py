@@ -66,7 +66,7 @@ MAX_TOOLS = 128  # OpenAI's limit
 TOOL_PROMPT_MODES = ("template", "minfer")  # --tool-prompt: see the module docstring
 # --tool-prompt-max-tokens: the most tokens minfer's tool prompt may add to an "auto" request under
 # `--tool-prompt minfer`. 1,024 tokens is about a dozen tools with short schemas (Open WebUI's 36 built-in
-# tools are 6,566), and about 1.5 s of prefill on 2 CPU cores for SmolLM2-135M (chapter 9b).
+# tools are 6,566), and about 1.5 s of prefill on 2 CPU cores for SmolLM2-135M (lab notes 9b (chapters/lab/09b-cpu-performance.md)).
 DEFAULT_TOOL_PROMPT_MAX_TOKENS = 1024
 
 
