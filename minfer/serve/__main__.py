@@ -341,6 +341,10 @@ def main(argv: list[str] | None = None) -> int:
 
     names = args.served_model_name or [engine_args.model]
     server_box: dict = {}  # the uvicorn.Server, once made: a dead engine tells it to stop
+    # Loading, building the KV pool and (on a first start) compiling the CPU kernels take from seconds to a couple
+    # of minutes on a small machine: say so, so that a quiet terminal does not look like a hang.
+    logger.info("loading %s and starting the engine (a first start also compiles the CPU kernels)...",
+                engine_args.model)
     try:
         if engine_args.data_parallel_size > 1:  # N engine processes behind the router (chapter 12b)
             from minfer.serve.router import DPEngineClient  # noqa: PLC0415
