@@ -45,8 +45,8 @@ Prompts: every server gets the same prompts at the same concurrency and client, 
 one server start (random offsets can still make two prompts share their first block by chance; the prefix-cache
 counters would show it). `vllm bench serve`'s random dataset draws request i's prompt from the seed alone, whatever
 `--num-prompts` is, so with one seed for every run the 32 prompts at 16 streams would begin with the 16 already
-sent at 1 stream, and the 128 at 64 streams with those 32. vLLM caches prompt prefixes by default
-(`--enable-prefix-caching`) and skips their prefill: with one seed (`--same-seed`, the earlier behaviour) vLLM
+sent at 1 stream, and the 128 at 64 streams with those 32. vLLM's and minfer's servers cache prompt prefixes by
+default (`--enable-prefix-caching`) and skip their prefill: with one seed (`--same-seed`, the earlier behaviour) vLLM
 found 2,048 of the 6,144 prompt tokens at 16 streams in its cache (the first 128-token block of each of the 16
 prompts sent before) and served 56.5 output tok/s against 47.8-51.3 with fresh prompts
 (assets/benchmarks/peer_serve_same_seed_cpu.json). So each (concurrency, client) pair has its own seed

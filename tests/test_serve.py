@@ -449,6 +449,7 @@ def test_metrics_parse_and_move(server, client):
     assert stats["recent_ttfts"] and stats["kv_pool"]["num_blocks"] == stats["stats"]["num_total_blocks"]
 
 
+@pytest.mark.skipif(bool(os.environ.get("MINFER_TEST_FAKE_ENGINE")), reason="the fake engine has no prefix cache")
 def test_prefix_caching_is_on_by_default_and_a_repeated_prompt_hits(server):
     """The `server` fixture passes no prefix-caching flag: the default is on (as vLLM V1's server), so the second
     of two identical prompts finds its full blocks in the cache. Both counters are prompt tokens."""
