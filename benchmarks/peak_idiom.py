@@ -83,6 +83,28 @@ def default_threads() -> int:
         return os.cpu_count() or 1
 
 
+def physical_cores(text: str | None = None, cpus: set[int] | None = None) -> int | None:
+    """Distinct (physical id, core id) pairs among `cpus` (default: the CPUs this process may use) in /proc/cpuinfo
+    (`text`, for tests): two SMT siblings share one core's vector units. None where cpuinfo does not say."""
+    if text is None:
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    if cpus is None:
+        cpus = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    cores, cpu, package = set(), None, "0"
+    for line in text.splitlines() + [""]:
+        key, _, value = (x.strip() for x in line.partition(":"))
+        if key == "processor":
+            cpu, package = int(value), "0"
+        elif key == "physical id":
+            package = value
+        elif key == "core id" and cpu is not None and (cpus is None or cpu in cpus):
+            cores.add((package, value))
+    return len(cores) or None
+
+
 def max_clock_ghz() -> float | None:
     """The highest clock cpufreq reports for CPU 0 (GHz), or None (no cpufreq here, as in most VMs)."""
     try:
@@ -112,7 +134,7 @@ def _rate(kind: int, isa: int, threads: int, seconds: float, repeats: int) -> fl
 def measure(threads: int | None = None, seconds: float = 0.3, repeats: int = 3, fma_isa: str | None = None,
             idiom_isa: str | None = None, all_isas: bool = False) -> dict:
     """Measure the peaks. Returns {"isa": the idiom ISA, "fma_isa", "threads", "fma_gflops" (GFLOP/s),
-    "int8_idiom_gops" (GOP/s, 2 per u8 x s8 product), "clock_ghz", "theoretical_fma_gflops",
+    "int8_idiom_gops" (GOP/s, 2 per u8 x s8 product), "clock_ghz", "physical_cores_used", "theoretical_fma_gflops",
     "theoretical_int8_idiom_gops", "theoretical_assumes", "load_average_before_after"} and, with `all_isas`,
     "int8_idiom_gops_by_isa" for every idiom ISA this CPU runs.
 
@@ -139,11 +161,11 @@ def measure(threads: int | None = None, seconds: float = 0.3, repeats: int = 3, 
             except ValueError:
                 continue  # not on this CPU
     ghz = max_clock_ghz()
-    cores = threads  # the threads run on distinct CPUs; with SMT two of them share one core's units
-    res.update(clock_ghz=ghz,
+    cores = min(threads, physical_cores() or threads)  # SMT siblings share one core's vector units
+    res.update(clock_ghz=ghz, physical_cores_used=cores,
                theoretical_fma_gflops=None if ghz is None else cores * ghz * 2 * FMA_LANES[fma] * 2,
                theoretical_int8_idiom_gops=None,
-               theoretical_assumes="2 FMA pipes of the full vector width per thread's core at the max clock; "
+               theoretical_assumes="2 FMA pipes of the full vector width per physical core used, at the max clock; "
                                    "None where the clock is not readable",
                load_average_before_after=[round(load_before, 2), round(os.getloadavg()[0], 2)])
     return res

@@ -21,6 +21,14 @@ def test_isa_from_flags(flags, idiom, fma):
     assert peak.idiom_isa_from_flags(f) == idiom and peak.fma_isa_from_flags(f) == fma
 
 
+def test_physical_cores_count_smt_siblings_once():
+    # 2 cores x 2 SMT threads: CPUs 0 and 2 are core 0's siblings, 1 and 3 core 1's
+    text = "".join(f"processor\t: {cpu}\nphysical id\t: 0\ncore id\t\t: {cpu % 2}\n\n" for cpu in range(4))
+    assert peak.physical_cores(text, {0, 1, 2, 3}) == 2
+    assert peak.physical_cores(text, {0, 2}) == 1
+    assert peak.physical_cores("processor\t: 0\n", {0}) is None  # no core ids (some VMs, other ISAs)
+
+
 @pytest.fixture(scope="module")
 def lib():
     if not peak.LIBRARY.available():
