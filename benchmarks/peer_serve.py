@@ -1,9 +1,27 @@
 """The served headline: minfer's server against vLLM's and llama.cpp's, same client, same machine, same run.
 
-    flock /tmp/minfer-bench.lock python benchmarks/peer_serve.py --json assets/benchmarks/peer_serve.json \\
+    flock /tmp/minfer-bench.lock python benchmarks/peer_serve.py --out-dir assets/benchmarks/peer_serve \\
         [--servers minfer-f32,vllm-f32,minfer-q4_1,llama-q4_1,minfer-q4_0,llama-q4_0] [--rounds 2] \\
         [--concurrency 1,16,64] [--num-prompts N | --min-prompts 16 --prompts-per-stream 2] \\
-        [--input-len 192] [--output-len 48] [--minfer-client] [--dry-run]
+        [--input-len 192] [--output-len 48] [--minfer-client] [--ports minfer=8100,vllm=8200,llama=8300] \\
+        [--peaks-json PATH] [--dry-run]
+
+`--out-dir DIR` receives everything: DIR/peer_serve.json (the result), DIR/logs/ (every server's log) and
+DIR/runs/ (each client run's own result file); without it, `--json PATH` and `--log-dir` (default: a temporary
+folder) as before. `--ports` fixes each engine's port (an engine left out gets a free one at each start).
+
+Machine-portable verdicts (issue 41): before the first server starts, `benchmarks/peak_idiom.py` measures this
+machine's float32 FMA peak (GFLOP/s) and the peak of the integer multiply-add idiom of its widest ISA (GOP/s),
+recorded once under `machine_peaks` (`--peaks-json` reads an earlier measurement instead). Every server's median
+throughput at every concurrency becomes achieved GFLOP/s (requests/s x `serve_roofline.flops_per_request`: prompt
+and output tokens through every layer, the LM head for the outputs) and a fraction of the FMA peak (float32
+servers) or of the idiom peak (the GGUF servers): `peak_fractions` in each client's summary, and both servers'
+fractions in every comparison row. A ratio between two servers can move with the machine; a fraction of the
+machine's own peak says how much of it each server turns into tokens, on a Zen 1, a Zen 3 or an AVX-512 machine.
+
+llama-server and kept-alive connections: every request to llama-server (both clients, and the warm-up) carries
+`Connection: close` (vllm bench's `--header`), so each opens its own connection; reusing one that llama-server
+has closed between two requests fails that request. Each run records the headers it sent (`request_headers`).
 
 The whole run takes ~40 min with --minfer-client at the defaults; `--lock-file /tmp/minfer-bench.lock` (instead
 of the outer flock) holds the lock one server start at a time (a few minutes each), letting other timings in.
@@ -27,8 +45,8 @@ Prompts: every server gets the same prompts at the same concurrency and client, 
 one server start (random offsets can still make two prompts share their first block by chance; the prefix-cache
 counters would show it). `vllm bench serve`'s random dataset draws request i's prompt from the seed alone, whatever
 `--num-prompts` is, so with one seed for every run the 32 prompts at 16 streams would begin with the 16 already
-sent at 1 stream, and the 128 at 64 streams with those 32. vLLM caches prompt prefixes by default
-(`--enable-prefix-caching`) and skips their prefill: with one seed (`--same-seed`, the earlier behaviour) vLLM
+sent at 1 stream, and the 128 at 64 streams with those 32. vLLM's and minfer's servers cache prompt prefixes by
+default (`--enable-prefix-caching`) and skip their prefill: with one seed (`--same-seed`, the earlier behaviour) vLLM
 found 2,048 of the 6,144 prompt tokens at 16 streams in its cache (the first 128-token block of each of the 16
 prompts sent before) and served 56.5 output tok/s against 47.8-51.3 with fresh prompts
 (assets/benchmarks/peer_serve_same_seed_cpu.json). So each (concurrency, client) pair has its own seed
@@ -129,6 +147,44 @@ def parse_concurrency(text: str) -> list[int]:
     return values
 
 
+ENGINES = ("minfer", "vllm", "llama")
+
+
+def parse_ports(text: str) -> dict[str, int]:
+    """"minfer=8100,vllm=8200,llama=8300" -> {"minfer": 8100, ...}; "" -> {}. Raises ValueError for an unknown
+    engine, a port outside 1..65535, or a port or engine given twice."""
+    ports: dict[str, int] = {}
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        engine, sep, value = item.partition("=")
+        engine = engine.strip()
+        if not sep or engine not in ENGINES:
+            raise ValueError(f"--ports takes ENGINE=PORT pairs with ENGINE one of {', '.join(ENGINES)}, got {item!r}")
+        try:
+            port = int(value)
+        except ValueError:
+            raise ValueError(f"--ports: {engine}'s port is not an integer: {value!r}") from None
+        if not 1 <= port <= 65535 or engine in ports or port in ports.values():
+            raise ValueError(f"--ports: {item!r} is out of 1..65535 or repeats an engine or a port")
+        ports[engine] = port
+    return ports
+
+
+def port_for(args, server: Server) -> int:
+    """The port `server` listens on: its engine's from --ports, else a free one."""
+    from minfer.bench.serve import free_port
+
+    return args.ports.get(server.engine) or free_port()
+
+
+def request_headers(server: Server) -> dict:
+    """Headers every benchmark request to `server` carries. llama-server closes an idle kept-alive connection
+    between two requests of a client that reuses it, and the request sent on it then fails: with
+    `Connection: close` every request opens its own connection, as no other server here needs."""
+    return {"Connection": "close"} if server.engine == "llama" else {}
+
+
 def num_prompts(args, concurrency: int) -> int:
     """Prompts sent at one concurrency: --num-prompts if given, else max(--min-prompts, --prompts-per-stream x C)."""
     if args.num_prompts:
@@ -177,6 +233,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--lock-file", default=None,
                     help="take this flock around each server start (start-up and its runs) instead of around the "
                          "whole run, so other timings can go in between (e.g. /tmp/minfer-bench.lock)")
+    ap.add_argument("--ports", default="",
+                    help="fixed ports per engine, e.g. minfer=8100,vllm=8200,llama=8300 (an engine left out gets a "
+                         "free port at each start)")
+    ap.add_argument("--out-dir", type=Path, default=None,
+                    help="write everything under this folder: peer_serve.json, logs/, runs/ (every client run's "
+                         "own result file); replaces --json and --log-dir")
+    ap.add_argument("--peaks-json", type=Path, default=None,
+                    help="the machine's peaks from this `peak_idiom.py --json` file instead of measuring them")
+    ap.add_argument("--peak-threads", type=int, default=0,
+                    help="threads peak_idiom.py measures the peaks on (0: every CPU this process may use)")
     ap.add_argument("--log-dir", default=None, help="server logs (default: a new temporary folder)")
     ap.add_argument("--json", default=None, help="write the result here")
     ap.add_argument("--dry-run", action="store_true", help="print the plan (every command) and exit")
@@ -206,6 +272,14 @@ def parse_args(argv=None):
     if args.llama_np and args.llama_np < max(args.concurrency):
         ap.error("--llama-np must be >= the largest --concurrency (or 0: one slot per stream)")
     args.max_num_seqs = args.max_num_seqs or max(args.concurrency)
+    try:
+        args.ports = parse_ports(args.ports)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if args.out_dir is not None and (args.json or args.log_dir):
+        ap.error("--out-dir holds the JSON and the logs: drop --json and --log-dir")
+    if args.peak_threads < 0:
+        ap.error("--peak-threads must be >= 0")
     if args.gguf_q4_1 is None:
         from minfer.model.sources import find_default_gguf
         try:
@@ -245,7 +319,9 @@ def server_cmd(server: Server, args, port: int, slots: int) -> tuple[list[str], 
              *shlex.split(args.minfer_args)], {**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-def vllm_bench_cmd(args, url: str, concurrency: int, result_dir: str) -> list[str]:
+def vllm_bench_cmd(args, url: str, concurrency: int, result_dir: str, headers: dict | None = None) -> list[str]:
+    """`vllm bench serve`'s command line for one run; `headers` (`request_headers`) go with every request."""
+    header = ["--header", *(f"{k}={v}" for k, v in headers.items())] if headers else []
     return [args.vllm, "bench", "serve", "--backend", "openai", "--endpoint", "/v1/completions",
             "--base-url", url, "--model", NAME, "--tokenizer", str(args.model_dir), "--dataset-name", "random",
             "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
@@ -254,7 +330,7 @@ def vllm_bench_cmd(args, url: str, concurrency: int, result_dir: str) -> list[st
             "--seed", str(run_seed(args, concurrency, "client_vllm")),
             "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "99",
             "--ready-check-timeout-sec", "0", "--save-result", "--save-detailed", "--result-dir", result_dir,
-            "--result-filename", "result.json", "--disable-tqdm"]
+            "--result-filename", "result.json", "--disable-tqdm", *header]
 
 
 def run_seed(args, concurrency: int, client: str) -> int:
@@ -308,21 +384,24 @@ def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def run_vllm_bench(args, url: str, concurrency: int) -> dict:
-    """One `vllm bench serve` run; its saved result reduced to METRICS (plus `error` when it failed).
+def run_vllm_bench(args, url: str, concurrency: int, headers: dict | None = None, save_dir: Path | None = None) -> dict:
+    """One `vllm bench serve` run; its saved result reduced to METRICS (plus `error` when it failed). `headers`:
+    sent with every request; `save_dir`: where its result.json stays (default: a temporary folder, removed).
 
     The per-request lists (`--save-detailed`) are kept under `_detail` for `recount`, and dropped before saving.
     """
-    out = tempfile.mkdtemp(prefix="peer-serve-")
+    out = str(save_dir) if save_dir is not None else tempfile.mkdtemp(prefix="peer-serve-")
+    Path(out).mkdir(parents=True, exist_ok=True)
     try:
-        p = subprocess.run(vllm_bench_cmd(args, url, concurrency, out), env=vllm_env(), capture_output=True,
+        p = subprocess.run(vllm_bench_cmd(args, url, concurrency, out, headers), env=vllm_env(), capture_output=True,
                            text=True, timeout=3600)
         try:
             r = json.loads((Path(out) / "result.json").read_text())
         except (OSError, ValueError):
             return {"error": f"vllm bench serve exited {p.returncode}: {(p.stderr or p.stdout)[-1500:]}"}
     finally:
-        shutil.rmtree(out, ignore_errors=True)
+        if save_dir is None:
+            shutil.rmtree(out, ignore_errors=True)
     res = {k: r.get(k) for k in METRICS}
     lens = r.get("output_lens") or []
     res["output_lens_min_max"] = [min(lens), max(lens)] if lens else None
@@ -416,13 +495,19 @@ def counts_since(before: dict | None, after: dict | None) -> dict | None:
     return None if before is None or after is None else {k: int(after[k] - before[k]) for k in before}
 
 
-def run_minfer_client(args, url: str, concurrency: int) -> dict:
+def run_minfer_client(args, url: str, concurrency: int, headers: dict | None = None,
+                      save_dir: Path | None = None) -> dict:
+    """One run of minfer's client (`minfer.bench.serve.run_benchmark`), reduced to METRICS; `headers` go with
+    every request, `save_dir` (if given) receives its full result as result.json."""
     from minfer.bench.serve import run_benchmark
 
+    if save_dir is not None:
+        Path(save_dir).mkdir(parents=True, exist_ok=True)
     r = run_benchmark(url, num_prompts=num_prompts(args, concurrency), max_concurrency=concurrency,
                       input_len=args.input_len, output_len=args.output_len,
                       seed=run_seed(args, concurrency, "client_minfer"), vocab_size=VOCAB_SIZE,
-                      model=NAME, disable_tqdm=True, poll_stats=False)
+                      model=NAME, disable_tqdm=True, poll_stats=False, headers=headers,
+                      result_json=None if save_dir is None else str(Path(save_dir) / "result.json"))
     res = {k: r.get(k) for k in METRICS if k != "duration"}
     res["duration"] = r.get("duration_s")
     lens = [n for n in r.get("output_lens") or []]
@@ -432,19 +517,22 @@ def run_minfer_client(args, url: str, concurrency: int) -> dict:
     return res
 
 
-def warm_up(url: str) -> None:
+def warm_up(url: str, headers: dict | None = None) -> None:
     """A few short requests after start-up, outside the measurement (first-call allocations, compiled graphs)."""
     from minfer.bench.serve import run_benchmark
 
     run_benchmark(url, num_prompts=4, max_concurrency=4, input_len=16, output_len=4, vocab_size=VOCAB_SIZE,
-                  model=NAME, disable_tqdm=True, poll_stats=False)
+                  model=NAME, disable_tqdm=True, poll_stats=False, headers=headers)
 
 
-def measure_start(args, rnd: int, server: Server, slots: int, concurrencies: list[int], log_dir: str) -> dict:
-    """Start `server` once, drive it at each concurrency with each client, stop it: {concurrency: run}."""
-    from minfer.bench.serve import free_port, stop_server
+def measure_start(args, rnd: int, server: Server, slots: int, concurrencies: list[int], log_dir: str,
+                  runs_dir: Path | None = None) -> dict:
+    """Start `server` once, drive it at each concurrency with each client, stop it: {concurrency: run}.
+    `runs_dir`: where each client run keeps its own result file (one folder per run); None keeps none."""
+    from minfer.bench.serve import stop_server
 
-    port = free_port()
+    port = port_for(args, server)
+    headers = request_headers(server)
     cmd, env = server_cmd(server, args, port, slots)
     log_path = Path(log_dir) / f"r{rnd}_{server.name}_np{slots}_{port}.log"
     url = f"http://127.0.0.1:{port}"
@@ -455,9 +543,11 @@ def measure_start(args, rnd: int, server: Server, slots: int, concurrencies: lis
         try:
             wait_healthy(url, proc)
             startup_s = round(time.time() - t0, 1)
-            warm_up(url)
+            warm_up(url, headers)
             for c in concurrencies:
-                run = {"round": rnd, "startup_s": startup_s, "log": str(log_path)}
+                run = {"round": rnd, "startup_s": startup_s, "log": str(log_path), "port": port}
+                if headers:
+                    run["request_headers"] = headers
                 clients = [("client_vllm", run_vllm_bench)]
                 if args.minfer_client:
                     clients.append(("client_minfer", run_minfer_client))
@@ -465,7 +555,8 @@ def measure_start(args, rnd: int, server: Server, slots: int, concurrencies: lis
                     before, text = load_average(), metrics_text(url)  # one /metrics read for both counters
                     tokens_before = server_generated(url, server.engine, text)
                     cache_before = prefix_cache_counts(url, server.engine, text)
-                    res = fn(args, url, c)
+                    save = None if runs_dir is None else runs_dir / f"r{rnd}_{server.name}_np{slots}_c{c}_{key}"
+                    res = fn(args, url, c, headers=headers, save_dir=save)
                     res["load_average_before_after"] = [before, load_average()]
                     res["prefix_cache"] = counts_since(cache_before, prefix_cache_counts(url, server.engine))
                     res["server_output_tokens"] = generated_since(url, server.engine, tokens_before,
@@ -587,12 +678,76 @@ def token_check(runs: dict, expected: dict, client: str = "client_vllm") -> dict
     return {"client": client, "ok": not bad, "expected": expected, "mismatches": bad, "recounted": recounted}
 
 
-def summarize(runs: dict, expected: dict, clients=("client_vllm", "client_minfer")) -> dict:
+# ---------------------------------------------------------------------------------------------------------------
+# the machine's peaks: every server's arithmetic as a fraction of what this machine's units give, so that a verdict
+# from a Zen 1, a Zen 3 or an AVX-512 machine reads the same
+
+# the peak each server's arithmetic is held against: float32 weights run FMAs, GGUF's Q4 blocks the integer idiom
+PEAK_KIND = {"f32": "fma_gflops", "q4_1": "int8_idiom_gops", "q4_0": "int8_idiom_gops"}
+
+
+def _import_sibling(name: str):
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import importlib
+
+    return importlib.import_module(name)
+
+
+def measure_peaks(args) -> dict:
+    """This machine's float32 FMA and integer-idiom peaks (`peak_idiom.measure`, GFLOP/s and GOP/s), or those
+    read from --peaks-json; `source` says which. A kernel that cannot be built gives {"error": ...} (the run
+    goes on without fractions) rather than an exception."""
+    if args.peaks_json is not None:
+        return {**json.loads(Path(args.peaks_json).read_text()), "source": str(args.peaks_json)}
+    try:
+        peaks = _import_sibling("peak_idiom").measure(threads=args.peak_threads or None)
+    except Exception as exc:  # no compiler, no OpenMP: the servers can still be compared with each other
+        return {"error": f"{type(exc).__name__}: {exc}", "source": "peak_idiom.py"}
+    return {**peaks, "source": "peak_idiom.py, measured at the start of this run"}
+
+
+def request_flops(args) -> float:
+    """FLOPs of one request (`--input-len` prompt and `--output-len` output tokens) on --model-dir's model, as
+    `serve_roofline.flops_per_request` counts them (every server runs the same model)."""
+    from minfer.model.registry import config_from_hf
+
+    cfg = config_from_hf(json.loads((Path(args.model_dir) / "config.json").read_text()))
+    return _import_sibling("serve_roofline").flops_per_request(cfg, args.input_len, args.output_len)["total"]
+
+
+def peak_fractions(med: dict, peaks: dict | None, flops_per_request: float, output_len: int) -> dict:
+    """{server: {concurrency: {"achieved_gflops", "peak", "peak_gflops", "fraction"}}} from `medians`' output:
+    achieved GFLOP/s = requests/s (output tok/s / output_len, every request generating output_len tokens) x
+    `flops_per_request` / 1e9, held against the FMA peak for float32 servers and the integer-idiom peak for the
+    GGUF ones (`PEAK_KIND`). `fraction` is None where the peak is unknown."""
+    out: dict = {}
+    for server, by_c in med.items():
+        kind = PEAK_KIND[SERVERS[server].weights]
+        peak = (peaks or {}).get(kind)
+        for c, m in by_c.items():
+            achieved = m["output_throughput"] / output_len * flops_per_request / 1e9
+            out.setdefault(server, {})[c] = {"achieved_gflops": round(achieved, 3), "peak": kind, "peak_gflops": peak,
+                                             "fraction": round(achieved / peak, 5) if peak else None}
+    return out
+
+
+def summarize(runs: dict, expected: dict, clients=("client_vllm", "client_minfer"), peaks: dict | None = None,
+              flops_per_request: float | None = None, output_len: int | None = None) -> dict:
+    """Per client: the medians, the comparisons and the token check; with `flops_per_request` and `output_len`,
+    also `peak_fractions` (each comparison row then carries both servers' fractions)."""
     out = {}
     for client in clients:
         med = medians(runs, client)
         if med:
-            out[client] = {"medians": med, "comparisons": compare(med), "token_check": token_check(runs, expected, client)}
+            s = {"medians": med, "comparisons": compare(med), "token_check": token_check(runs, expected, client)}
+            if flops_per_request and output_len:
+                fr = s["peak_fractions"] = peak_fractions(med, peaks, flops_per_request, output_len)
+                for row in s["comparisons"]:
+                    row["minfer_peak_fraction"] = fr[row["minfer"]][row["concurrency"]]["fraction"]
+                    row["peer_peak_fraction"] = fr[row["peer"]][row["concurrency"]]["fraction"]
+            out[client] = s
     return out
 
 
@@ -608,6 +763,10 @@ def print_summary(summary: dict) -> None:
             print(f"  {row['minfer']} / {row['peer']} c={row['concurrency']}: {row['throughput_ratio']:.2f}x "
                   f"(target >= {row['target_throughput_ratio']}), TTFT {row['ttft_ratio']:.2f}x, "
                   f"TPOT {row['tpot_ratio']:.2f}x: {verdict}")
+        for server, by_c in s.get("peak_fractions", {}).items():
+            for c, f in sorted(by_c.items()):
+                frac = "peak unknown" if f["fraction"] is None else f"{100 * f['fraction']:.2f}% of the {f['peak']} peak"
+                print(f"  {server:12s} c={c:<3d} {f['achieved_gflops']:8.2f} GFLOP/s achieved, {frac}")
         tc = s["token_check"]
         print("  output tokens: " + ("all equal, as expected" if tc["ok"] else "MISMATCH"))
         for line in tc["mismatches"] + tc["recounted"]:
@@ -637,11 +796,15 @@ def main(argv=None) -> int:
     plan = starts(args)
     expected = {c: num_prompts(args, c) * args.output_len for c in args.concurrency}
     if args.dry_run:
+        print("peaks: " + (f"read from {args.peaks_json}" if args.peaks_json else
+                           f"measured by benchmarks/peak_idiom.py on {args.peak_threads or 'every'} thread(s)"))
+        print(f"output: {args.out_dir or args.json or '(no JSON)'}")
         for rnd, server, slots, concs in plan:
-            cmd, _ = server_cmd(server, args, 0, slots)
+            cmd, _ = server_cmd(server, args, args.ports.get(server.engine, 0), slots)
             print(f"round {rnd} {server.name}: {shlex.join(cmd)}")
             for c in concs:
-                print(f"    c={c}: {shlex.join(vllm_bench_cmd(args, 'http://127.0.0.1:PORT', c, 'DIR'))}")
+                bench = vllm_bench_cmd(args, 'http://127.0.0.1:PORT', c, 'DIR', request_headers(server))
+                print(f"    c={c}: {shlex.join(bench)}")
                 if args.minfer_client:
                     print(f"    c={c}: minfer's client, seed {run_seed(args, c, 'client_minfer')}")
         return 0
@@ -658,29 +821,37 @@ def main(argv=None) -> int:
     from peer_vllm_serve import ensure_vllm_metadata
 
     ensure_vllm_metadata(args.vllm)  # vllm bench drives every run, and its CLI asks for `vllm`'s version
-    log_dir = args.log_dir or tempfile.mkdtemp(prefix="peer-serve-logs-")
+    if args.out_dir is not None:
+        log_dir, runs_dir, json_path = args.out_dir / "logs", args.out_dir / "runs", args.out_dir / "peer_serve.json"
+    else:
+        log_dir, runs_dir, json_path = args.log_dir or tempfile.mkdtemp(prefix="peer-serve-logs-"), None, args.json
     Path(log_dir).mkdir(parents=True, exist_ok=True)
     print(f"server logs in {log_dir}", flush=True)
 
-    runs: dict = {s: {c: [] for c in args.concurrency} for s in args.servers}
     started = time.time()
+    with bench_lock(args.lock_file):  # a quiet machine for the peaks too
+        peaks = measure_peaks(args)
+    flops = request_flops(args)
+    print(f"machine peaks: {json.dumps(peaks)}\nFLOPs per request: {flops / 1e9:.3f} GFLOP", flush=True)
+    runs: dict = {s: {c: [] for c in args.concurrency} for s in args.servers}
     for rnd, server, slots, concs in plan:
         with bench_lock(args.lock_file):
-            measured = measure_start(args, rnd, server, slots, concs, log_dir)
+            measured = measure_start(args, rnd, server, slots, concs, str(log_dir), runs_dir)
         for c, run in measured.items():
             runs[server.name][c].append(run)
-    summary = summarize(runs, expected)
+    summary = summarize(runs, expected, peaks=peaks, flops_per_request=flops, output_len=args.output_len)
     print_summary(summary)
-    if args.json:
+    if json_path:
         result = {"command": shlex.join([sys.executable, *sys.argv]),
                   "note": "one server at a time on a shared machine, servers alternated over rounds in one run; "
                           "compare the ratios",
                   "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                   "environment": environment(args), "wall_s": round(time.time() - started, 1),
-                  "expected_output_tokens": expected, "runs": runs, "summary": summary}
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json}")
+                  "expected_output_tokens": expected, "machine_peaks": peaks, "flops_per_request": flops,
+                  "runs": runs, "summary": summary}
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {json_path}")
     ok = all(s["token_check"]["ok"] for s in summary.values()) and bool(summary)
     return 0 if ok else 1
 

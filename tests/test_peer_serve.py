@@ -267,3 +267,182 @@ def test_token_check_uses_the_servers_counter_and_reports_recounts():
                                    "expected 768"]
     assert check["recounted"] == ["llama-q4_1 c=1 round 0: vllm bench counted 771 by re-tokenizing the text, "
                                   "the server 768: metrics recounted"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# issue 41: ports, Connection: close to llama-server, --out-dir, the machine's peaks and each server's fraction
+
+
+def test_ports_parse_and_are_used(monkeypatch):
+    a = args("--ports", "minfer=8100, vllm=8200,llama=8300")
+    assert a.ports == {"minfer": 8100, "vllm": 8200, "llama": 8300}
+    assert args().ports == {}
+    assert [peer_serve.port_for(a, peer_serve.SERVERS[n]) for n in ("minfer-q4_0", "vllm-f32", "llama-q4_1")] == \
+        [8100, 8200, 8300]
+    monkeypatch.setattr("minfer.bench.serve.free_port", lambda: 40123)
+    only_llama = args("--ports", "llama=8300")
+    assert peer_serve.port_for(only_llama, peer_serve.SERVERS["minfer-f32"]) == 40123  # left out: a free port
+    assert peer_serve.port_for(only_llama, peer_serve.SERVERS["llama-q4_0"]) == 8300
+
+
+@pytest.mark.parametrize("ports", ["sglang=8000", "minfer=0", "minfer=70000", "minfer=8100,vllm=8100",
+                                   "minfer=8100,minfer=8200", "minfer", "llama=x"])
+def test_bad_ports_are_refused(ports, capsys):
+    with pytest.raises(SystemExit) as exc:
+        args("--ports", ports)
+    assert exc.value.code == 2 and "--ports" in capsys.readouterr().err
+
+
+def test_out_dir_replaces_json_and_log_dir(capsys):
+    assert args("--out-dir", "/tmp/x").out_dir == peer_serve.Path("/tmp/x")
+    for extra in (["--json", "/tmp/x.json"], ["--log-dir", "/tmp/logs"]):
+        with pytest.raises(SystemExit):
+            args("--out-dir", "/tmp/x", *extra)
+        assert "--out-dir" in capsys.readouterr().err
+
+
+def test_llama_server_requests_close_their_connection():
+    a = args()
+    llama, minfer = peer_serve.SERVERS["llama-q4_1"], peer_serve.SERVERS["minfer-q4_1"]
+    assert peer_serve.request_headers(llama) == {"Connection": "close"}
+    assert peer_serve.request_headers(minfer) == {} and peer_serve.request_headers(peer_serve.SERVERS["vllm-f32"]) == {}
+    bench = peer_serve.vllm_bench_cmd(a, "http://127.0.0.1:8300", 16, "/out", peer_serve.request_headers(llama))
+    assert bench[bench.index("--header") + 1] == "Connection=close"
+    assert bench[-2:] == ["--header", "Connection=close"]  # last: its nargs="*" takes nothing else
+    assert "--header" not in peer_serve.vllm_bench_cmd(a, "http://127.0.0.1:8100", 16, "/out",
+                                                        peer_serve.request_headers(minfer))
+
+
+def test_minfer_client_sends_the_headers_and_keeps_its_result(monkeypatch, tmp_path):
+    seen = {}
+
+    def fake_run_benchmark(url, **kw):
+        seen.update(kw)
+        return {"output_throughput": 10.0, "total_output_tokens": 768, "duration_s": 2.0, "output_lens": [48] * 16}
+
+    monkeypatch.setattr("minfer.bench.serve.run_benchmark", fake_run_benchmark)
+    res = peer_serve.run_minfer_client(args(), "http://x", 1, headers={"Connection": "close"}, save_dir=tmp_path / "r")
+    assert seen["headers"] == {"Connection": "close"} and seen["result_json"] == str(tmp_path / "r" / "result.json")
+    assert res["output_throughput"] == 10.0 and res["duration"] == 2.0 and (tmp_path / "r").is_dir()
+
+
+def test_minfer_benchmark_client_puts_the_headers_on_every_request(monkeypatch):
+    """The header reaches the wire through minfer's client (`benchmark` builds its httpx client with it)."""
+    import httpx
+
+    from minfer.bench import serve as bench_serve
+
+    made = []
+    real = httpx.AsyncClient
+
+    class Recording(real):
+        def __init__(self, *a, **kw):
+            made.append(kw.get("headers"))
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(bench_serve.httpx, "AsyncClient", Recording)
+    with pytest.raises(httpx.HTTPError):  # nothing listens there: the client is built, then the first call fails
+        bench_serve.run_benchmark("http://127.0.0.1:9", num_prompts=1, input_len=2, output_len=1, poll_stats=False,
+                                  disable_tqdm=True, headers={"Connection": "close"}, api_key="k")
+    assert made and made[0] == {"Connection": "close", "Authorization": "Bearer k"}
+
+
+SMOLLM2 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+           "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30,
+           "head_dim": 64, "vocab_size": 49152, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+           "rope_theta": 100000.0, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def test_peak_fractions_hold_float_servers_to_fma_and_gguf_ones_to_the_idiom():
+    med = peer_serve.medians(CANNED, "client_vllm")
+    peaks = {"fma_gflops": 200.0, "int8_idiom_gops": 800.0}
+    flops = 2e9  # per request
+    fr = peer_serve.peak_fractions(med, peaks, flops, output_len=48)
+    # minfer-f32 at c=1: 46 tok/s / 48 tokens per request x 2 GFLOP = 1.9167 GFLOP/s, of the 200 FMA peak
+    assert fr["minfer-f32"][1]["achieved_gflops"] == pytest.approx(46 / 48 * 2, abs=1e-3)
+    assert fr["minfer-f32"][1]["peak"] == "fma_gflops" and fr["vllm-f32"][16]["peak"] == "fma_gflops"
+    assert fr["minfer-f32"][1]["fraction"] == pytest.approx(46 / 48 * 2 / 200, abs=1e-5)
+    assert fr["llama-q4_0"][16]["peak"] == fr["minfer-q4_0"][16]["peak"] == "int8_idiom_gops"
+    assert fr["minfer-q4_0"][16]["fraction"] == pytest.approx(280 / 48 * 2 / 800, abs=1e-5)
+    unknown = peer_serve.peak_fractions(med, {"error": "no compiler"}, flops, 48)
+    assert unknown["vllm-f32"][1]["fraction"] is None and unknown["vllm-f32"][1]["achieved_gflops"] > 0
+    s = peer_serve.summarize(CANNED, {1: 768, 16: 768}, peaks=peaks, flops_per_request=flops, output_len=48)
+    row = next(r for r in s["client_vllm"]["comparisons"] if r["minfer"] == "minfer-q4_0" and r["concurrency"] == 16)
+    assert row["minfer_peak_fraction"] == fr["minfer-q4_0"][16]["fraction"]
+    assert row["peer_peak_fraction"] == fr["llama-q4_0"][16]["fraction"]
+    assert "peak_fractions" not in peer_serve.summarize(CANNED, {1: 768, 16: 768})["client_vllm"]
+
+
+def test_request_flops_are_serve_rooflines(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2))
+    a = args("--model-dir", str(tmp_path), "--input-len", "192", "--output-len", "48")
+    roofline = load_benchmark("serve_roofline")
+    from minfer.model.registry import config_from_hf
+
+    want = roofline.flops_per_request(config_from_hf(SMOLLM2), 192, 48)["total"]
+    assert peer_serve.request_flops(a) == pytest.approx(want) and want > 1e9
+
+
+def test_peaks_are_read_from_a_file_or_measured(tmp_path, monkeypatch):
+    path = tmp_path / "peaks.json"
+    path.write_text(json.dumps({"isa": "avx2", "fma_gflops": 100.0, "int8_idiom_gops": 300.0}))
+    got = peer_serve.measure_peaks(args("--peaks-json", str(path)))
+    assert got["fma_gflops"] == 100.0 and got["source"] == str(path)
+    peak_idiom = peer_serve._import_sibling("peak_idiom")
+    monkeypatch.setattr(peak_idiom, "measure", lambda threads=None: {"isa": "avx2", "threads": threads,
+                                                                     "fma_gflops": 1.0, "int8_idiom_gops": 2.0})
+    got = peer_serve.measure_peaks(args("--peak-threads", "3"))
+    assert got["threads"] == 3 and got["int8_idiom_gops"] == 2.0 and "measured" in got["source"]
+
+    def broken(threads=None):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(peak_idiom, "measure", broken)
+    assert "no compiler" in peer_serve.measure_peaks(args())["error"]
+
+
+def test_main_writes_everything_under_out_dir(tmp_path, monkeypatch, capsys):
+    """A whole run with the servers faked: the JSON, the logs folder and the runs folder land under --out-dir,
+    the peaks are measured once, and the fractions are in the summary."""
+    import sys
+    import types
+
+    model_dir = tmp_path / "hf"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(SMOLLM2))
+    tools = {name: tmp_path / name for name in ("vllm", "llama-server", "q4_1.gguf", "q4_0.gguf")}
+    for p in tools.values():
+        p.write_text("")
+    monkeypatch.setitem(sys.modules, "peer_vllm_serve", types.SimpleNamespace(ensure_vllm_metadata=lambda v: None))
+    monkeypatch.setattr(peer_serve, "environment", lambda a: {"cpu": "test"})
+    calls = {"peaks": 0, "starts": []}
+
+    def fake_peaks(a):
+        calls["peaks"] += 1
+        return {"isa": "avx2", "fma_gflops": 100.0, "int8_idiom_gops": 400.0, "source": "fake"}
+
+    def fake_start(a, rnd, server, slots, concs, log_dir, runs_dir):
+        calls["starts"].append((server.name, log_dir, runs_dir))
+        tok = {"minfer-q4_1": 60.0, "llama-q4_1": 30.0}[server.name]
+        return {c: {"round": rnd, "client_vllm": _res(tok, 100, 10, tokens=a.num_prompts * a.output_len)}
+                for c in concs}
+
+    monkeypatch.setattr(peer_serve, "measure_peaks", fake_peaks)
+    monkeypatch.setattr(peer_serve, "measure_start", fake_start)
+    out = tmp_path / "out"
+    rc = peer_serve.main(["--out-dir", str(out), "--servers", "minfer-q4_1,llama-q4_1", "--concurrency", "16",
+                          "--rounds", "2", "--num-prompts", "16", "--vllm", str(tools["vllm"]),
+                          "--llama-server", str(tools["llama-server"]), "--model-dir", str(model_dir),
+                          "--gguf-q4-1", str(tools["q4_1.gguf"]), "--gguf-q4-0", str(tools["q4_0.gguf"])])
+    assert rc == 0, capsys.readouterr().out
+    assert calls["peaks"] == 1 and len(calls["starts"]) == 4
+    assert all(log == str(out / "logs") and runs == out / "runs" for _, log, runs in calls["starts"])
+    assert (out / "logs").is_dir() and sorted(p.name for p in out.iterdir()) == ["logs", "peer_serve.json"]
+    r = json.loads((out / "peer_serve.json").read_text())
+    assert r["machine_peaks"]["fma_gflops"] == 100.0 and r["flops_per_request"] > 1e9
+    fr = r["summary"]["client_vllm"]["peak_fractions"]
+    assert fr["minfer-q4_1"]["16"]["peak"] == "int8_idiom_gops"
+    assert fr["minfer-q4_1"]["16"]["fraction"] == pytest.approx(60 / 48 * r["flops_per_request"] / 1e9 / 400, abs=1e-5)
+    (row,) = r["summary"]["client_vllm"]["comparisons"]
+    assert row["minfer_peak_fraction"] == pytest.approx(2 * row["peer_peak_fraction"], rel=1e-3)
+    assert "% of the int8_idiom_gops peak" in capsys.readouterr().out

@@ -122,6 +122,9 @@ def test_flags_map_onto_engine_args():
     assert (ea.max_num_batched_tokens, ea.seed, ea.attention_backend, ea.dtype) == (64, 7, "triton", "float32")
     assert ea.model == MODEL
     assert engine_args_from(build_parser().parse_args([])).attention_backend == "auto"
+    # prefix caching: on unless turned off, as vLLM V1's server
+    assert engine_args_from(build_parser().parse_args([])).enable_prefix_caching is True
+    assert engine_args_from(build_parser().parse_args(["--no-enable-prefix-caching"])).enable_prefix_caching is False
     assert engine_args_from(build_parser().parse_args(["--attention-backend", "torch"])).attention_backend == "torch"
     with pytest.raises(ValueError, match="--enable-flash-attn"):
         engine_args_from(build_parser().parse_args(["--attention-backend", "cpu", "--enable-flash-attn"]))
@@ -444,6 +447,35 @@ def test_metrics_parse_and_move(server, client):
     assert 0 <= m1["minfer:kv_cache_usage_perc"] <= 1
     stats = httpx.get(server + "/v1/stats").json()
     assert stats["recent_ttfts"] and stats["kv_pool"]["num_blocks"] == stats["stats"]["num_total_blocks"]
+
+
+@pytest.mark.skipif(bool(os.environ.get("MINFER_TEST_FAKE_ENGINE")), reason="the fake engine has no prefix cache")
+def test_prefix_caching_is_on_by_default_and_a_repeated_prompt_hits(server):
+    """The `server` fixture passes no prefix-caching flag: the default is on (as vLLM V1's server), so the second
+    of two identical prompts finds its full blocks in the cache. Both counters are prompt tokens."""
+    assert 'enable_prefix_caching="True"' in httpx.get(server + "/metrics", timeout=10).text
+    prompt = " ".join(f"item {i}" for i in range(40))  # > 64 tokens: several full 16-token blocks
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+
+    def counters() -> tuple[float, float]:
+        m = _metrics(server)
+        return m["minfer:prefix_cache_queries_total"], m["minfer:prefix_cache_hits_total"]
+
+    assert httpx.post(server + "/v1/completions", json=body, timeout=120).status_code == 200
+    _wait_all_blocks_free(server)
+    q0, h0 = counters()
+    r = httpx.post(server + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200
+    n_prompt = r.json()["usage"]["prompt_tokens"]
+    assert n_prompt >= 64
+    deadline = time.time() + 10  # the counters follow the engine's stats, refreshed every ~50 ms
+    while (now := counters())[0] < q0 + n_prompt and time.time() < deadline:
+        time.sleep(0.1)
+    queries, hits = now[0] - q0, now[1] - h0
+    assert queries == n_prompt, (queries, n_prompt)
+    # every full block but the one holding the last token (which must be computed again for its logits)
+    assert hits >= 16 * ((n_prompt - 1) // 16) and hits < n_prompt, (hits, n_prompt)
+    _wait_all_blocks_free(server)
 
 
 def test_benchmark_client_against_server(server, tmp_path):

@@ -223,10 +223,12 @@ def _summary(values: list[float], name: str) -> dict:
 async def benchmark(base_url: str, requests: list[BenchRequest], request_rate: float = math.inf,
                     max_concurrency: int | None = None, model: str | None = None, burstiness: float = 1.0,
                     seed: int = 0, poll_stats: bool = True, stats_interval: float = 0.25,
-                    disable_tqdm: bool = False, extra_body: dict | None = None, api_key: str | None = None) -> dict:
-    """Send `requests` to `base_url` and measure; see the module doc. Returns the result dict."""
+                    disable_tqdm: bool = False, extra_body: dict | None = None, api_key: str | None = None,
+                    headers: dict | None = None) -> dict:
+    """Send `requests` to `base_url` and measure; see the module doc. `headers` go with every request (e.g.
+    {"Connection": "close"}: a new connection per request). Returns the result dict."""
     base_url = base_url.rstrip("/")
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = {**(headers or {}), **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
     limits = httpx.Limits(max_connections=max_concurrency or len(requests) + 4,
                           max_keepalive_connections=max_concurrency or len(requests) + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0), limits=limits,
@@ -301,8 +303,9 @@ def run_benchmark(base_url: str = "http://127.0.0.1:8000", num_prompts: int = 16
                   dataset: str = "random", input_len: int = 32, output_len: int = 16, prefix_len: int = 0,
                   seed: int = 0, vocab_size: int = 32000, model: str | None = None, burstiness: float = 1.0,
                   poll_stats: bool = True, disable_tqdm: bool = False, api_key: str | None = None,
-                  result_json: str | None = None) -> dict:
-    """Build the dataset and run `benchmark`; works inside a running event loop (Jupyter) too.
+                  result_json: str | None = None, headers: dict | None = None) -> dict:
+    """Build the dataset and run `benchmark`; works inside a running event loop (Jupyter) too. `headers`: sent
+    with every request (`benchmark`).
 
     Returns:
         the result dict: throughputs, mean/median/p99/std of ttft/tpot/itl/e2el in ms, per-request lists
@@ -315,7 +318,7 @@ def run_benchmark(base_url: str = "http://127.0.0.1:8000", num_prompts: int = 16
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
     reqs = sample_requests(dataset, num_prompts, input_len, output_len, prefix_len, seed, vocab_size)
     coro = benchmark(base_url, reqs, rate, max_concurrency, model=model, burstiness=burstiness, seed=seed,
-                     poll_stats=poll_stats, disable_tqdm=disable_tqdm, api_key=api_key)
+                     poll_stats=poll_stats, disable_tqdm=disable_tqdm, api_key=api_key, headers=headers)
     try:
         asyncio.get_running_loop()
         running = True

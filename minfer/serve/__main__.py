@@ -5,7 +5,9 @@ carry vLLM's names and meanings (`vllm serve MODEL --max-num-seqs ...`), each ma
 field. A flag whose feature minfer has not built (tensor/pipeline parallelism, AWQ/GPTQ)
 stops start-up with the reason and exit status 2: none is silently ignored.
 
-    python -m minfer.serve --max-model-len 2048 --enable-prefix-caching --max-num-seqs 64 --port 8000
+    python -m minfer.serve --max-model-len 2048 --max-num-seqs 64 --port 8000
+
+Prefix caching is on by default, as in vLLM V1's server (`--no-enable-prefix-caching` turns it off).
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from minfer.serve.router import ROUTER_POLICIES
 logger = logging.getLogger("minfer.serve")
 
 _DEFAULTS = {f.name: f.default for f in fields(EngineArgs)}
+# vLLM V1 serves with prefix caching on (its `--enable-prefix-caching` defaults to True): a chat's every turn
+# resends the history, which then costs no prefill. The server follows it whatever EngineArgs' offline default.
+SERVER_PREFIX_CACHING = True
 # The exit status when the engine process died (or was killed as stalled): the server does not restart it
 # itself; its supervisor (systemd Restart=on-failure, Kubernetes, docker --restart) restarts the whole server
 # (chapter 15, "When the engine dies").
@@ -102,8 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
            "bf16 and int8 are not vLLM's values "
            f"(default: {d['kv_cache_dtype']})")
     a("--block-size", type=int, metavar="N", default=d["block_size"], help=f"tokens per KV block (tokens; default: {d['block_size']})")
-    a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d["enable_prefix_caching"],
-      help=f"reuse KV blocks of shared prompt prefixes (default: {d['enable_prefix_caching']})")
+    a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=SERVER_PREFIX_CACHING,
+      help="reuse the KV blocks of prompt prefixes earlier requests computed (chat history, a shared system "
+           "prompt), as vLLM V1's server does by default; --no-enable-prefix-caching turns it off. Its cost when "
+           "no prompt hits: benchmarks/prefix_cache_cost.py (default: on; offline LLM / EngineArgs: "
+           f"{'on' if d['enable_prefix_caching'] else 'off'})")
     a("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=d["enable_chunked_prefill"],
       help=f"split long prompts into chunks batched with decodes (default: {d['enable_chunked_prefill']})")
     a("--max-num-batched-tokens", type=int, metavar="N", default=d["max_num_batched_tokens"],
