@@ -35,10 +35,38 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def is_busy(threshold: float = 1.0) -> bool:
-    """True when the 1-minute load average exceeds `threshold` × the number of cores: other work then shares
-    the cores, and wall-clock timings mean little."""
-    return os.getloadavg()[0] > threshold * (os.cpu_count() or 1)
+def other_cpu_use(window_s: float = 0.3) -> float | None:
+    """How many cores other processes keep busy right now (0.0 to the number of cores), measured over `window_s`
+    seconds from /proc/stat minus this process's own use; None where /proc is missing (not Linux).
+
+    The 1-minute load average cannot tell: it also counts this notebook's own work of the last minute, so on an
+    idle 2-core machine it reads about 2 right after a timed cell."""
+    def sample() -> tuple[int, int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+        own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        return sum(fields[:8]), idle, int(own[11]) + int(own[12])
+
+    try:
+        t0, i0, o0 = sample()
+        time.sleep(window_s)
+        t1, i1, o1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    cores = os.cpu_count() or 1
+    if t1 <= t0:
+        return 0.0
+    busy = (t1 - t0 - (i1 - i0) - (o1 - o0)) / (t1 - t0) * cores
+    return max(0.0, round(busy, 2))
+
+
+def is_busy(threshold: float = 0.5) -> bool:
+    """True when other processes keep more than `threshold` cores busy (or, without /proc, when the 1-minute load
+    average exceeds the number of cores): they then share the cores, and wall-clock timings mean little."""
+    others = other_cpu_use()
+    if others is None:
+        return os.getloadavg()[0] > (os.cpu_count() or 1)
+    return others > threshold
 
 
 def machine(device: str | None = None) -> dict[str, Any]:
@@ -47,8 +75,13 @@ def machine(device: str | None = None) -> dict[str, Any]:
     anything, so a learner on a shared machine is not misled by a flipped conclusion."""
     load = round(os.getloadavg()[0], 2)
     cores = os.cpu_count() or 1
-    info: dict[str, Any] = {"cpu": cpu_name(), "cores": cores, "load_average_1min": load, "busy": is_busy()}
+    others = other_cpu_use()
+    busy = others > 0.5 if others is not None else load > cores
+    info: dict[str, Any] = {"cpu": cpu_name(), "cores": cores, "load_average_1min": load,
+                            "other_processes_cores_busy": others, "busy": busy}
     line = f"machine: {info['cpu']}, {cores} cores, load average {load}"
+    if others is not None:
+        line += f", other processes busy on {others:.1f} cores now"
     if device is not None and str(device).startswith("cuda"):
         import torch
 
@@ -56,8 +89,8 @@ def machine(device: str | None = None) -> dict[str, Any]:
         line += f"; GPU: {info['gpu']}"
     print(line)
     if info["busy"]:
-        print(f"WARNING: the load average ({load}) is above the number of cores ({cores}): other work shares this "
-              "machine, so the timings below may be off by 2x or more and their conclusions may flip. "
+        print(f"WARNING: other work shares this machine (load average {load} on {cores} cores), so the timings "
+              "below may be off by 2x or more and their conclusions may flip. "
               "Rerun this cell on a quiet machine before you trust them.")
     return info
 
