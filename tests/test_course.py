@@ -263,3 +263,19 @@ def test_a_wrong_quoted_number_fails(tmp_path):
     bad.write_text("TTFT was [123 ms](r.json#/runs/0/ttft_ms) and [101 s](n.ipynb); decode took 43.4 ms.\n")
     found = problems(bad)
     assert len(found) == 3, found
+    (tmp_path / "s.json").write_text(json.dumps({"delta": -0.0008, "tiny": 0.00009}))
+    (tmp_path / "m.ipynb").write_text(json.dumps({"cells": [{"cell_type": "code", "source": "", "outputs": [
+        {"output_type": "stream", "name": "stdout", "text": "ratio 4.57\n"}]}]}))
+    sly = tmp_path / "sly.md"
+    sly.write_text("A [0.08%](s.json#/delta) change, a [0.00](s.json#/tiny) gap, [4](m.ipynb) blocks, "
+                   "a [1.5×](s.json#/delta:/missing) ratio.\n")
+    assert len(problems(sly)) == 4, problems(sly)  # sign flipped, 1/1000 to zero, a decimal's prefix, no key
+
+
+def test_every_relative_link_of_the_lessons_exists():
+    missing = []
+    for md in LESSONS + LABS:
+        for target in re.findall(r"\]\(([^)\s#]+)(?:#[^)]*)?\)", md.read_text()):
+            if not target.startswith(("http://", "https://", "mailto:")) and not (md.parent / target).exists():
+                missing.append(f"{md.relative_to(ROOT)}: {target}")
+    assert not missing, missing

@@ -99,8 +99,9 @@ EXERCISES = [(nb, i) for nb in NOTEBOOKS for i in range(len(nbt.exercises(nb)))]
 
 
 @pytest.mark.parametrize("nb,i", EXERCISES, ids=[f"{nb.stem}-{i}" for nb, i in EXERCISES])
-def test_exercise_solution_passes_and_blank_fails(nb, i):
-    """The committed solution passes its check; the learner's blank copy fails it."""
+def test_exercise_solution_passes_and_blank_fails(nb, i, capsys):
+    """The committed solution passes its check; the learner's blank copy does not pass: its check says "not
+    attempted yet" (so "Run All" goes on to the rest of the notebook) and never "correct"."""
     ex, check = nbt.exercises(nb)[i]
     assert check is not None and "check" in nbt.tags(check), f"{nb.name}: exercise {i} has no cell tagged 'check' after it"
     check_src = nbt.source(check)
@@ -108,10 +109,12 @@ def test_exercise_solution_passes_and_blank_fails(nb, i):
     ns: dict = {}
     exec(compile(nbt.source(ex), f"{nb.name}[exercise {i}]", "exec"), ns)
     exec(compile(check_src, f"{nb.name}[check {i}]", "exec"), ns)
+    assert "correct" in capsys.readouterr().out
     ns = {}
-    with pytest.raises((AssertionError, NotImplementedError)):
-        exec(compile(nbt.blank(nbt.source(ex)), f"{nb.name}[blank {i}]", "exec"), ns)
-        exec(compile(check_src, f"{nb.name}[check {i}]", "exec"), ns)
+    exec(compile(nbt.blank(nbt.source(ex)), f"{nb.name}[blank {i}]", "exec"), ns)
+    exec(compile(check_src, f"{nb.name}[check {i}]", "exec"), ns)
+    out = capsys.readouterr().out
+    assert "not attempted yet" in out and "correct" not in out, out
 
 
 def _exercise_modules():
@@ -130,15 +133,37 @@ def test_every_check_fails_on_a_wrong_answer(mod):
     for name, answer in wrong.items():
         with pytest.raises(AssertionError):
             getattr(mod, name)(answer)
+        # an answer that forgot its `return` fails with a message that names the exercise, not a TypeError
+        with pytest.raises(AssertionError):
+            getattr(mod, name)(_returns_none)
 
 
-def test_learner_copies_blank_every_solution(tmp_path):
+def _returns_none(*args, **kwargs):
+    return None
+
+
+def test_learner_copies_blank_every_solution_and_keep_a_learners_work(tmp_path, capsys):
     from minfer.course.__main__ import main
 
     assert main(["exercises", "--out", str(tmp_path)]) == 0
-    for nb in tmp_path.glob("*.ipynb"):
+    copies = sorted(tmp_path.glob("*.ipynb"))
+    assert len(copies) == len(NOTEBOOKS)
+    for nb in copies:
         text = nb.read_text()
         assert nbt.BEGIN not in text and '"outputs": []' in text or not nbt.exercises(nb)
+    copies[0].write_text(copies[0].read_text() + " ")  # the learner's answers
+    assert main(["exercises", "--out", str(tmp_path)]) == 0
+    assert copies[0].read_text().endswith(" "), "a second run overwrote the learner's copy"
+    assert "skipped" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["exercises", "--out", str(ROOT / "notebooks")])
+
+
+def test_blank_refuses_unmatched_markers():
+    with pytest.raises(ValueError):
+        nbt.blank(f"def f():\n    {nbt.BEGIN}\n    return 1\n")
+    with pytest.raises(ValueError):
+        nbt.blank(f"def f():\n    {nbt.BEGIN}\n    {nbt.BEGIN}\n    return 1\n    {nbt.END}\n")
 
 
 def _base_dependencies() -> set[str]:

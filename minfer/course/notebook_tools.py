@@ -45,14 +45,25 @@ def blank(src: str, label: str = "this exercise") -> str:
         ValueError: when the cell has no complete solution block.
     """
     pattern = re.compile(rf"^([ \t]*){re.escape(BEGIN)}[^\n]*\n.*?^[ \t]*{re.escape(END)}[^\n]*(\n|$)", re.S | re.M)
-    if not pattern.search(src):
-        raise ValueError(f"{label}: no '{BEGIN}' ... '{END}' block")
+    begins = len(re.findall(rf"^[ \t]*{re.escape(BEGIN)}", src, re.M))
+    ends = len(re.findall(rf"^[ \t]*{re.escape(END)}", src, re.M))
+    if not begins or begins != ends:
+        raise ValueError(f"{label}: {begins} '{BEGIN}' and {ends} '{END}' lines; each solution needs one of each")
     return pattern.sub(lambda m: f'{m.group(1)}raise NotImplementedError("your code here")\n', src)
 
 
-def learner_copy(nb_path: Path, out_path: Path) -> int:
+def learner_copy(nb_path: Path, out_path: Path, force: bool = False) -> int:
     """Write a copy of the notebook with every exercise's solution blanked and every output cleared; returns the
-    number of exercises blanked."""
+    number of exercises blanked.
+
+    Raises:
+        FileExistsError: `out_path` exists (a learner's work would be lost) and `force` is False.
+        ValueError: `out_path` is the notebook itself.
+    """
+    if Path(out_path).resolve() == Path(nb_path).resolve():
+        raise ValueError(f"refusing to blank {nb_path} in place: give another folder")
+    if Path(out_path).exists() and not force:
+        raise FileExistsError(f"{out_path} exists (your work?); pass --force to overwrite it")
     nb = json.loads(Path(nb_path).read_text())
     n = 0
     for c in nb["cells"]:

@@ -21,7 +21,8 @@ from pathlib import Path
 
 LINK = re.compile(r"(?<!!)\[([^\]]+)\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 NUMBER = re.compile(r"(?<![\w.])[-−]?\d[\d,]*(?:\.\d+)?")
-MEASURED = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?\s?(?:ms|µs|us|tok/s|tokens/s|GFLOP/s|GOP/s)\b")
+MEASURED = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?\s?(?:ms|µs|us|tok/s|tokens/s|GFLOP/s|GOP/s"
+                      r"|tokens per second|milliseconds|microseconds)\b")
 SCALES = (1.0, 1000.0, 0.001, 100.0)
 
 
@@ -38,6 +39,8 @@ def _pointer(doc, pointer: str):
     cur = doc
     for part in pointer.lstrip("/").split("/") if pointer.strip("/") else []:
         part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(cur, list) and not part.isdigit():
+            raise KeyError(f"{part!r} is not a list index")
         cur = cur[int(part)] if isinstance(cur, list) else cur[part]
     return cur
 
@@ -49,10 +52,20 @@ def json_value(path: Path, fragment: str) -> float:
         KeyError, IndexError, ValueError: when the pointer names nothing numeric.
     """
     doc = json.loads(Path(path).read_text())
+
+    def number(pointer: str) -> float:
+        v = _pointer(doc, pointer)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"{pointer} holds {v!r}, not a number")
+        return float(v)
+
     if ":" in fragment:
         a, b = fragment.split(":", 1)
-        return float(_pointer(doc, a)) / float(_pointer(doc, b))
-    return float(_pointer(doc, fragment))
+        den = number(b)
+        if den == 0:
+            raise ValueError(f"{b} is 0")
+        return number(a) / den
+    return number(fragment)
 
 
 def notebook_output_text(path: Path) -> str:
@@ -87,8 +100,8 @@ def check_link(lesson: Path, text: str, target: str) -> str | None:
             v = json_value(path, fragment)
         except (KeyError, IndexError, ValueError, TypeError) as e:
             return f"[{text}]({target}): the pointer names no number ({e!r})"
-        if not any(round(v * s, decimals) == round(value, decimals) or round(abs(v * s), decimals) == round(value, decimals)
-                   for s in SCALES):
+        # the same sign, and a shown 0 only for a value that is 0 (not a small one scaled by 1/1000)
+        if not any(round(v * s, decimals) == round(value, decimals) and (value != 0 or v == 0) for s in SCALES):
             return f"[{text}]({target}): the JSON holds {v!r}, the lesson says {value}"
         return None
     if file.endswith(".ipynb"):
@@ -96,7 +109,7 @@ def check_link(lesson: Path, text: str, target: str) -> str | None:
             return f"[{text}]({target}): {file} does not exist"
         out = notebook_output_text(path).replace(",", "")
         token = NUMBER.search(text).group(0).replace(",", "")
-        if not re.search(rf"(?<![\d.]){re.escape(token)}(?![\d])", out):
+        if not re.search(rf"(?<![\d.]){re.escape(token)}(?!\d|\.\d)", out):
             return f"[{text}]({target}): {token} is not in the notebook's saved outputs"
         return None
     return None

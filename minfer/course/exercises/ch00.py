@@ -55,3 +55,8 @@ WRONG_ANSWERS = {
     "check_ttft_tpot": lambda arrival, t: (t[0] - arrival, (t[-1] - t[0]) / len(t)),  # n gaps instead of n - 1
     "check_decode_ceiling": lambda model, bw: bw / sum(p.numel() for p in model.parameters()),  # counts parameters
 }
+
+
+from minfer.course.exercises import guard_checks  # noqa: E402
+
+guard_checks(globals())

@@ -54,3 +54,8 @@ WRONG_ANSWERS = {
     "check_kv_bytes": lambda layers, batch, seq, kvh, d, b: layers * batch * seq * kvh * d * b,  # K only, no V
     "check_decode_attention": _unscaled,
 }
+
+
+from minfer.course.exercises import guard_checks  # noqa: E402
+
+guard_checks(globals())

@@ -76,3 +76,8 @@ WRONG_ANSWERS = {
     # linear interpolation instead: every frequency divided by the factor
     "check_ntk_inv_freq": lambda d, theta, factor: 1.0 / (theta ** (torch.arange(0, d, 2).float() / d)) / factor,
 }
+
+
+from minfer.course.exercises import guard_checks  # noqa: E402
+
+guard_checks(globals())

@@ -70,3 +70,8 @@ WRONG_ANSWERS = {
     # one transfer instead of two (out AND back in)
     "check_move_vs_recompute": lambda n, b, f, link, dev: (n * b / link, n * f / dev),
 }
+
+
+from minfer.course.exercises import guard_checks  # noqa: E402
+
+guard_checks(globals())

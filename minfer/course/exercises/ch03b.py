@@ -53,3 +53,8 @@ WRONG_ANSWERS = {
     # "the window's worth of blocks": forgets the block straddling the window's start, and short sequences
     "check_live_blocks": lambda q, w, bs: -(-w // bs),
 }
+
+
+from minfer.course.exercises import guard_checks  # noqa: E402
+
+guard_checks(globals())

@@ -63,7 +63,8 @@ def check_tiles(tiles_to_compute) -> None:
     the tiles the kernel must load under a causal mask (and a sliding window of `window` keys to the left)."""
     ex = "Exercise 4.2"
     cases = [(256, 256, 32, 32, None), (256, 256, 32, 32, 64), (64, 64, 16, 32, None), (20, 50, 8, 16, None),
-             (37, 37, 16, 8, 10), (1, 45, 16, 16, None), (100, 130, 32, 16, 40)]
+             (37, 37, 16, 8, 10), (1, 45, 16, 16, None), (100, 130, 32, 16, 40),
+             (32, 32, 8, 8, 9), (256, 256, 32, 32, 65)]  # a tile edge on the window's boundary
     for Lq, Lk, bm, bn, w in cases:
         got = torch.as_tensor(tiles_to_compute(Lq, Lk, bm, bn, w)).bool()
         expect_equal(ex, got, _dense_tiles(Lq, Lk, bm, bn, w),
@@ -108,3 +109,8 @@ WRONG_ANSWERS = {
     "check_tiles": _tiles_without_offset,
     "check_kv_head": lambda h, num_heads, num_kv_heads: h % num_kv_heads,
 }
+
+
+from minfer.course.exercises import guard_checks  # noqa: E402
+
+guard_checks(globals())

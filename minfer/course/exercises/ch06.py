@@ -102,3 +102,8 @@ def _waste_of_prompts_only(prompt_lens, output_lens, batch_size):
 
 
 WRONG_ANSWERS = {"check_plan_step": _plan_without_chunks, "check_padding_waste": _waste_of_prompts_only}
+
+
+from minfer.course.exercises import guard_checks  # noqa: E402
+
+guard_checks(globals())

@@ -61,3 +61,8 @@ def _top_k_before_temperature_softmax(logits, t, k):
 
 WRONG_ANSWERS = {"check_top_p_mask": _top_p_forgets_crossing_token,
                  "check_temperature_top_k": _top_k_before_temperature_softmax}
+
+
+from minfer.course.exercises import guard_checks  # noqa: E402
+
+guard_checks(globals())

@@ -65,3 +65,8 @@ def _no_bonus_token(alpha, k):
 
 
 WRONG_ANSWERS = {"check_rejection_step": _residual_not_normalised, "check_expected_tokens": _no_bonus_token}
+
+
+from minfer.course.exercises import guard_checks  # noqa: E402
+
+guard_checks(globals())

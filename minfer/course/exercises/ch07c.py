@@ -65,3 +65,8 @@ def _prefix_of_token(prefix, choices, vocab):
 
 
 WRONG_ANSWERS = {"check_apply_bitmask": _big_endian_bits, "check_allowed_tokens": _prefix_of_token}
+
+
+from minfer.course.exercises import guard_checks  # noqa: E402
+
+guard_checks(globals())

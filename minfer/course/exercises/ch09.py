@@ -105,3 +105,8 @@ WRONG_ANSWERS = {
     "check_stream_metrics": _wrong_stream_metrics,
     "check_max_new_tokens": lambda prompt_len, max_model_len: max_model_len - prompt_len,  # negative when it overflows
 }
+
+
+from minfer.course.exercises import guard_checks  # noqa: E402
+
+guard_checks(globals())

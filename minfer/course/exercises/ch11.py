@@ -88,3 +88,8 @@ def _wrong_cached(first, second, block_size):
 
 
 WRONG_ANSWERS = {"check_chain_hashes": _wrong_chain, "check_cached_tokens": _wrong_cached}
+
+
+from minfer.course.exercises import guard_checks  # noqa: E402
+
+guard_checks(globals())

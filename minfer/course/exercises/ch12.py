@@ -88,3 +88,8 @@ def _all_stages_at_once(p, m):
 
 
 WRONG_ANSWERS = {"check_tp_mlp": _partials_without_activation, "check_gpipe_schedule": _all_stages_at_once}
+
+
+from minfer.course.exercises import guard_checks  # noqa: E402
+
+guard_checks(globals())

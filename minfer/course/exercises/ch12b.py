@@ -12,8 +12,10 @@ def check_replicas(answer) -> None:
     """`answer(num_gpus, tensor_parallel_size, pipeline_parallel_size)` gives minfer's `num_replicas`, and
     raises ValueError where devices would sit idle."""
     for gpus, tp, pp in [(8, 2, 1), (8, 1, 1), (8, 4, 1), (8, 2, 2), (16, 8, 1), (4, 4, 1), (24, 3, 2)]:
-        expect_equal("Exercise 12b.1", answer(gpus, tp, pp), num_replicas(gpus, tp, pp),
-                     what=f"replicas for {gpus} GPUs, TP={tp}, PP={pp}")
+        got = answer(gpus, tp, pp)
+        if not isinstance(got, int):
+            raise AssertionError(f"Exercise 12b.1: a count of replicas is a whole number (int), got {got!r}")
+        expect_equal("Exercise 12b.1", got, num_replicas(gpus, tp, pp), what=f"replicas for {gpus} GPUs, TP={tp}, PP={pp}")
     for gpus, tp, pp in [(8, 3, 1), (6, 2, 2)]:
         try:
             got = answer(gpus, tp, pp)
@@ -53,3 +55,8 @@ WRONG_ANSWERS = {
     "check_replicas": lambda gpus, tp, pp=1: gpus // tp,  # forgets PP and never refuses an idle split
     "check_route": lambda prompts, n, block_size=16, num_prefix_blocks=2: [hash(tuple(p)) % n for p in prompts],
 }
+
+
+from minfer.course.exercises import guard_checks  # noqa: E402
+
+guard_checks(globals())

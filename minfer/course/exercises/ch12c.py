@@ -62,3 +62,8 @@ WRONG_ANSWERS = {
         0, int((gb * 1e9 * util - n * bpw) // (layers * kvh * hd * kvb))),
     "check_profile_shares": _wrong_profile,
 }
+
+
+from minfer.course.exercises import guard_checks  # noqa: E402
+
+guard_checks(globals())

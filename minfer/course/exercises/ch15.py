@@ -55,3 +55,8 @@ WRONG_ANSWERS = {
     # "above the threshold" instead of "at or above", and forgets requested=None
     "check_granted_max_tokens": lambda req, u, t, c: min(req, c) if u is not None and u > t and req else req,
 }
+
+
+from minfer.course.exercises import guard_checks  # noqa: E402
+
+guard_checks(globals())

@@ -35,8 +35,17 @@ def check_max_new_tokens(max_new_tokens) -> None:
 def check_replicas(replicas) -> None:
     """`replicas(num_gpus, tp_size) -> int` against `minfer.serve.router.num_replicas`."""
     for gpus, tp in ((8, 1), (8, 2), (8, 4), (8, 8), (16, 4), (4, 4)):
-        expect_equal("Exercise 17.2", int(replicas(gpus, tp)), num_replicas(gpus, tp),
-                     what=f"the replicas of {gpus} GPUs at TP={tp}")
+        got = replicas(gpus, tp)
+        if not isinstance(got, int):
+            raise AssertionError(f"Exercise 17.2: a count of replicas is a whole number (int), got {got!r}")
+        expect_equal("Exercise 17.2", got, num_replicas(gpus, tp), what=f"the replicas of {gpus} GPUs at TP={tp}")
+    for gpus, tp in ((8, 3), (6, 4)):
+        try:
+            got = replicas(gpus, tp)
+        except ValueError:
+            continue
+        raise AssertionError(f"Exercise 17.2: {gpus} GPUs at TP={tp} leave GPUs idle (TP must divide the GPUs, "
+                             f"as minfer's num_replicas says); raise ValueError instead of returning {got!r}")
     passed("Exercise 17.2")
 
 
@@ -44,3 +53,8 @@ WRONG_ANSWERS = {
     "check_max_new_tokens": lambda mml, p: mml - p,        # negative for a prompt longer than the budget
     "check_replicas": lambda gpus, tp: gpus // 2,           # ignores the TP size
 }
+
+
+from minfer.course.exercises import guard_checks  # noqa: E402
+
+guard_checks(globals())
