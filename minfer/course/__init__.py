@@ -150,9 +150,11 @@ def expect_close(exercise: str, got: Any, expected: Any, *, atol: float = 1e-5, 
     if g.shape != e.shape:
         raise AssertionError(f"{exercise}: {what} has shape {tuple(g.shape)}, expected {tuple(e.shape)}")
     if not torch.allclose(g, e, atol=atol, rtol=rtol, equal_nan=True):
-        err = (g - e).abs().max().item()
-        raise AssertionError(f"{exercise}: {what} differs from minfer's by up to {err:.3g} "
-                             f"(got {_short(g)}, expected {_short(e)})")
+        diff = (g - e).abs().nan_to_num(nan=float("inf"))
+        at = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape)) if diff.dim() else ()
+        where = f" at index {list(at)}" if at else ""
+        raise AssertionError(f"{exercise}: {what} differs from minfer's by up to {diff.max().item():.3g}{where}: "
+                             f"got {g[at].item():.6g}, expected {e[at].item():.6g} there")
 
 
 def expect_equal(exercise: str, got: Any, expected: Any, what: str = "your result") -> None:
@@ -160,10 +162,15 @@ def expect_equal(exercise: str, got: Any, expected: Any, what: str = "your resul
     import torch
 
     if isinstance(got, torch.Tensor) or isinstance(expected, torch.Tensor):
-        ok = torch.equal(torch.as_tensor(got), torch.as_tensor(expected))
-    else:
-        ok = got == expected
-    if not ok:
+        g, e = torch.as_tensor(got), torch.as_tensor(expected)
+        if g.shape != e.shape:
+            raise AssertionError(f"{exercise}: {what} has shape {tuple(g.shape)}, expected {tuple(e.shape)}")
+        if not torch.equal(g, e):
+            at = tuple(int(i) for i in (g != e).nonzero()[0])
+            raise AssertionError(f"{exercise}: {what} differs first at index {list(at)}: got {g[at].item()!r}, "
+                                 f"expected {e[at].item()!r} ({int((g != e).sum())} of {e.numel()} entries differ)")
+        return
+    if got != expected:
         raise AssertionError(f"{exercise}: {what} is {_short(got)}, expected {_short(expected)}")
 
 

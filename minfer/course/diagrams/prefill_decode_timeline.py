@@ -68,7 +68,7 @@ def draw(path: Path) -> None:
     bracket(steps[2][0], steps[3][0], 10.6, "TPOT = one decode step", "#1f4e99")
 
     # --- the KV cache after each step, in blocks of BLOCK tokens ---------------------------------------------
-    ax.text(0, 0.6, f"KV cache after each step, in blocks of {BLOCK} tokens (every layer holds one like it)",
+    ax.text(0, 0.6, f"KV cache after each step, one cell per token, drawn in groups of {BLOCK} (every layer holds one like it)",
             fontsize=11, va="center")
     slot_w, slot_h, gap = 2.0, 1.3, 0.4
     for k, (x, w, _) in enumerate(steps):
