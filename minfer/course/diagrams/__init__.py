@@ -11,7 +11,8 @@ from pathlib import Path
 
 def modules() -> list:
     """Every diagram module of this package, sorted by name."""
-    return [importlib.import_module(f"{__name__}.{m.name}") for m in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name)]
+    return [importlib.import_module(f"{__name__}.{m.name}") for m in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name)
+            if not m.name.startswith("_")]
 
 
 def draw_all(out: Path) -> list[Path]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from minfer.course.diagrams._canvas import canvas
+
 NAME = "block_table"
 
 BS = 16
@@ -37,11 +39,8 @@ def draw(path: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.patches import FancyArrowPatch
 
-    fig, ax = plt.subplots(figsize=(12, 7.6), dpi=100)
+    fig, ax = canvas((12, 7.6), (0, 12), (0, 7.6), dpi=100)
     fig.patch.set_facecolor("white")
-    ax.set_xlim(0, 12)
-    ax.set_ylim(0, 7.6)
-    ax.axis("off")
 
     # the physical pool, in the middle
     pw, ph, px0, py = 0.95, 0.8, 1.3, 3.35

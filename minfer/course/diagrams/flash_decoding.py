@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from minfer.course.diagrams._canvas import canvas, save
+
 NAME = "flash_decoding"
 
 
@@ -13,14 +15,9 @@ def draw(path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle
 
-    fig = plt.figure(figsize=(13, 5.4), facecolor="white")
-    ax = fig.add_axes([0, 0, 1, 1])
-    ax.set_xlim(0, 13)
-    ax.set_ylim(0, 5.4)
-    ax.axis("off")
+    fig, ax = canvas((13, 5.4), (0, 13), (0, 5.4), full=True, facecolor="white")
 
     ax.text(6.5, 5.0, "Flash-Decoding: split the keys of one query, then merge", ha="center", fontsize=14,
             weight="bold")
@@ -54,5 +51,4 @@ def draw(path: Path) -> None:
     ax.text(6.95, 0.45, "O = Σ_s acc_s · exp(m_s − M) / L        (exact: M + log L = log-sum-exp)",
             ha="center", fontsize=11.5, family="monospace")
     ax.text(0.3, 2.5, "grid:\nbatch × heads\n× splits", fontsize=11, va="center", color="#555555")
-    fig.savefig(path, dpi=100, facecolor="white")
-    plt.close(fig)
+    save(fig, path, dpi=100)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from minfer.course.diagrams._canvas import canvas, save
+
 NAME = "flash_tiling"
 
 
@@ -13,14 +15,9 @@ def draw(path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle
 
-    fig = plt.figure(figsize=(14, 6.2), facecolor="white")
-    ax = fig.add_axes([0, 0, 1, 1])
-    ax.set_xlim(0, 14)
-    ax.set_ylim(0, 6.2)
-    ax.axis("off")
+    fig, ax = canvas((14, 6.2), (0, 14), (0, 6.2), full=True, facecolor="white")
 
     n, cell = 4, 0.95          # 4 x 4 tiles of the score matrix S = Q K^T
     x0, y0 = 2.2, 0.55        # bottom-left corner of the matrix
@@ -90,5 +87,4 @@ def draw(path: Path) -> None:
             fontsize=10.5, color="#555555")
     ax.add_patch(FancyArrowPatch((x0 + n * cell + 0.1, yr + cell / 2), (rx - 0.1, ry + 2.9), arrowstyle="-|>",
                                  mutation_scale=16, lw=1.4, color="#a63603", connectionstyle="arc3,rad=-0.15"))
-    fig.savefig(path, dpi=100, facecolor="white")
-    plt.close(fig)
+    save(fig, path, dpi=100)

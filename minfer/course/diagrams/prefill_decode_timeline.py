@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from minfer.course.diagrams._canvas import canvas
+
 NAME = "prefill_decode_timeline"
 
 PROMPT = 8          # prompt tokens in the picture
@@ -20,11 +22,9 @@ def draw(path: Path) -> None:
     from matplotlib.patches import FancyBboxPatch, Rectangle
 
     prompt_c, out_c, empty_c = "#f4a261", "#5b8fd9", "white"
-    fig, ax = plt.subplots(figsize=(10, 6.4), dpi=100)
+    fig, ax = canvas((10, 6.4), (-2, 101), (-17.8, 13.2), dpi=100)
     fig.patch.set_facecolor("white")
-    ax.set_xlim(-2, 101)
-    ax.set_ylim(-17.8, 13.2)
-    ax.axis("off")
+
 
     # --- the steps on a time axis ---------------------------------------------------------------------------
     y0, h = 4.0, 3.2

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from minfer.course.diagrams._canvas import canvas
+
 NAME = "prefix_chain"
 
 
@@ -11,10 +13,7 @@ def draw(path: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.patches import FancyArrowPatch, Rectangle
 
-    fig, ax = plt.subplots(figsize=(14, 6.6), facecolor="white")
-    ax.set_xlim(0, 28)
-    ax.set_ylim(0, 13.2)
-    ax.axis("off")
+    fig, ax = canvas((14, 6.6), (0, 28), (0, 13.2), facecolor="white")
 
     shared, own_a, own_b, part = "#cfe3f7", "#fde2c4", "#d9efd2", "#eeeeee"
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from minfer.course.diagrams._canvas import canvas
+
 NAME = "quant_groups"
 
 
@@ -20,11 +22,9 @@ def draw(path: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.patches import FancyArrowPatch, Rectangle
 
-    fig, ax = plt.subplots(figsize=(10, 6.2), dpi=100)
+    fig, ax = canvas((10, 6.2), (0, 20), (0, 12.4), dpi=100)
     fig.patch.set_facecolor("white")
-    ax.set_xlim(0, 20)
-    ax.set_ylim(0, 12.4)
-    ax.axis("off")
+
 
     colors = ["#cfe2f3", "#d9ead3", "#fff2cc", "#f4cccc"]
     # --- top: one row, 4 groups of G = 4 weights (a real row has G = 32..128) ---

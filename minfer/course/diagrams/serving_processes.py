@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from minfer.course.diagrams._canvas import canvas
+
 NAME = "serving_processes"
 
 
@@ -11,10 +13,7 @@ def draw(path: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 
-    fig, ax = plt.subplots(figsize=(14.5, 6.6), facecolor="white")
-    ax.set_xlim(0, 28.5)
-    ax.set_ylim(0, 11.4)
-    ax.axis("off")
+    fig, ax = canvas((14.5, 6.6), (0, 28.5), (0, 11.4), facecolor="white")
 
     def box(x, y, w, h, text, fc, ec="#333", size=12.5, weight="normal"):
         ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.08,rounding_size=0.25", fc=fc, ec=ec, lw=1.4))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from minfer.course.diagrams._canvas import canvas
+
 NAME = "sliding_window"
 
 BS, W, Q, NBLK = 4, 10, 28, 8  # block size, window, next query position (= tokens computed), blocks drawn
@@ -19,11 +21,9 @@ def draw(path: Path) -> None:
 
     first_visible = max(Q - W + 1, 0)
     dead = first_visible // BS
-    fig, ax = plt.subplots(figsize=(12, 5.4), dpi=100)
+    fig, ax = canvas((12, 5.4), (-1.6, 32.5), (-3.6, 5.0), dpi=100)
     fig.patch.set_facecolor("white")
-    ax.set_xlim(-1.6, 32.5)
-    ax.set_ylim(-3.6, 5.0)
-    ax.axis("off")
+
     cw, y = 1.0, 1.0
     for t in range(NBLK * BS):
         if t < Q:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from minfer.course.diagrams._canvas import canvas
+
 NAME = "spec_accept_reject"
 
 
@@ -16,10 +18,7 @@ def draw(path: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 
-    fig, ax = plt.subplots(figsize=(11, 6.4), facecolor="white")
-    ax.set_xlim(0, 11)
-    ax.set_ylim(0, 6.4)
-    ax.axis("off")
+    fig, ax = canvas((11, 6.4), (0, 11), (0, 6.4), facecolor="white")
 
     def box(x, y, w, h, text, fc, ec="#333333", fs=11, weight="normal", ls="-"):
         ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.02,rounding_size=0.08", fc=fc, ec=ec,

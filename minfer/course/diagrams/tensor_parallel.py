@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from minfer.course.diagrams._canvas import canvas
+
 NAME = "tensor_parallel"
 RANK = ("#4e79a7", "#f28e2b")
 
@@ -14,10 +16,7 @@ def draw(path: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Circle, FancyArrowPatch, Rectangle
 
-    fig, ax = plt.subplots(figsize=(11, 7.0), facecolor="white")
-    ax.set_xlim(0, 22)
-    ax.set_ylim(0, 13.6)
-    ax.axis("off")
+    fig, ax = canvas((11, 7.0), (0, 22), (0, 13.6), facecolor="white")
 
     def mat(x, y, w, h, color, label, sub="", alpha=0.85, text_color="white"):
         ax.add_patch(Rectangle((x, y), w, h, facecolor=color, edgecolor="black", alpha=alpha, linewidth=1))
