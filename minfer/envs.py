@@ -110,6 +110,10 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     "MINFER_CTRL_AUTHKEY": (
         _str("MINFER_CTRL_AUTHKEY"),
         "internal: hex key of that listener, given to the worker processes it starts"),
+    "MINFER_SAVE_FIGURES": (
+        _flag("MINFER_SAVE_FIGURES", False),
+        "1: the notebooks write their figures under assets/figures/ (default: 0, so running a notebook changes no "
+        "tracked file; `minfer.course.save_figure`)"),
     "MINFER_OMP_DEFAULT": (
         _str("MINFER_OMP_DEFAULT"),
         "internal: the OpenMP variable configure_process chose, so that a process started from this one chooses again"),

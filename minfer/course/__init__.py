@@ -120,10 +120,13 @@ def timed(fn: Callable[[], Any], device: Any = None, repeat: int = 3, warmup: in
 
 
 def save_figure(fig: Any, name: str, dpi: int = 110) -> Path | None:
-    """Save a notebook's figure as `assets/figures/NAME` only when `MINFER_SAVE_FIGURES=1`, so that running a
-    notebook changes no tracked file; `python -m minfer.course figures`-style refreshes set the variable.
+    """Save a notebook's figure as `assets/figures/NAME` only when `envs.MINFER_SAVE_FIGURES` is on (the
+    environment variable set to 1), so that running a notebook changes no tracked file; a refresh of the committed
+    figures sets it.
     Returns the path written, or None."""
-    if os.environ.get("MINFER_SAVE_FIGURES") != "1":
+    from minfer import envs
+
+    if not envs.MINFER_SAVE_FIGURES:
         return None
     FIGURES.mkdir(parents=True, exist_ok=True)
     path = FIGURES / name
