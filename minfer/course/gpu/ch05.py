@@ -54,7 +54,9 @@ def run(device: str = "cuda", small: bool = False) -> dict[str, Any]:
         sz = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(dev)
         codes_d, scale_d, zero_d = codes.to(dev), scale.to(dev), zero.to(dev)
         w16 = dequantize_int4(codes, scale, zero).to(half).to(dev)
-        packed_bytes = qweight.numel() + sz.numel() * sz.element_size()
+        packed_bytes = qweight.numel() * qweight.element_size() + sz.numel() * sz.element_size()
+        # the dequantize route reads minfer's unpacked codes (one byte per weight) and its scales and zeros
+        unpacked_bytes = codes_d.numel() * codes_d.element_size() + 2 * scale_d.numel() * scale_d.element_size()
         for m in ms:
             x = torch.randn(m, k, generator=g).to(half).to(dev)
             y = w4a16_matmul(x, qweight, sz, group, blocked=True)
@@ -64,8 +66,9 @@ def run(device: str = "cuda", small: bool = False) -> dict[str, Any]:
             t_deq = timed(lambda: x @ dequantize_int4(codes_d, scale_d, zero_d, half).t(), dev, repeat=repeat, warmup=warmup)
             t_fp16 = timed(lambda: x @ w16.t(), dev, repeat=repeat, warmup=warmup)
             # weight bytes moved per call: the kernel reads the packed codes and scales once; dequantize reads
-            # them, writes a float16 weight and the matmul reads it back; fp16 reads its float16 weight.
-            bytes_ = {"w4a16": packed_bytes, "dequant+matmul": packed_bytes + 2 * 2 * n * k, "fp16": 2 * n * k}
+            # the unpacked codes and scales, writes a float16 weight and the matmul reads it back; fp16 reads its
+            # float16 weight.
+            bytes_ = {"w4a16": packed_bytes, "dequant+matmul": unpacked_bytes + 2 * 2 * n * k, "fp16": 2 * n * k}
             times = {"w4a16": t_kernel, "dequant+matmul": t_deq, "fp16": t_fp16}
             rows.append({
                 "N": n, "K": k, "M": m, "group_size": group,
