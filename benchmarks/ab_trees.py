@@ -124,20 +124,15 @@ def main(argv=None) -> int:
     for k, v in ratios.items():
         print(f"{k:32s} before {v['before']:10.2f}  after {v['after']:10.2f}  after/before {v['after_over_before']:.3f}")
     if args.json:
+        from minfer.course import cpu_name
+
         res = {"what": "the same benchmarks on two checkouts, alternated in one run (benchmarks/ab_trees.py)",
                "command": " ".join(["python", "benchmarks/ab_trees.py", *(argv if argv is not None else sys.argv[1:])]),
                "engine_args": args.engine_args, "minfer_args": args.minfer_args,
                "trees": {k: str(v) for k, v in trees.items()}, "rounds": args.rounds, "runs": runs,
-               "medians": ratios, "cpu": _cpu_name(), "cores": os.cpu_count()}
+               "medians": ratios, "cpu": cpu_name(), "cores": os.cpu_count()}
         Path(args.json).write_text(json.dumps(res, indent=2))
     return 0
-
-
-def _cpu_name() -> str:
-    try:
-        return next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown"
 
 
 if __name__ == "__main__":

@@ -781,8 +781,9 @@ def environment(args) -> dict:
         except (OSError, subprocess.SubprocessError) as exc:
             return f"unavailable: {exc}"
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    from minfer.course import cpu_name
+
+    cpu = cpu_name()
     vpy = str(Path(args.vllm).with_name("python"))
     return {"cpu": cpu, "cpus": os.cpu_count(), "python": platform.python_version(),
             "minfer_commit": out(["git", "-C", str(ROOT), "rev-parse", "HEAD"]),

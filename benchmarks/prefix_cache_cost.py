@@ -140,12 +140,9 @@ def summarize(runs: dict) -> dict:
 
 
 def environment() -> dict:
-    cpu = platform.processor()
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                   if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    from minfer.course import cpu_name
+
+    cpu = cpu_name()
     import torch
 
     return {"cpu": cpu, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),

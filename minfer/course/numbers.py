@@ -19,6 +19,8 @@ import json
 import re
 from pathlib import Path
 
+from minfer.course.text import without_code_and_comments
+
 LINK = re.compile(r"(?<!!)\[([^\]]+)\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 NUMBER = re.compile(r"(?<![\w.])[-−]?\d[\d,]*(?:\.\d+)?")
 MEASURED = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?\s?(?:ms|µs|us|tok/s|tokens/s|GFLOP/s|GOP/s"
@@ -117,9 +119,7 @@ def check_link(lesson: Path, text: str, target: str) -> str | None:
 
 def problems(lesson: Path) -> list[str]:
     """Every quoted number in `lesson` that does not match its source, and every measured number without one."""
-    md = Path(lesson).read_text()
-    md = re.sub(r"<!--.*?-->", "", md, flags=re.S)
-    md = re.sub(r"^(```|~~~).*?^\1", "", md, flags=re.S | re.M)
+    md = without_code_and_comments(Path(lesson).read_text())
     out = []
     for text, target in LINK.findall(md):
         p = check_link(Path(lesson), text, target)

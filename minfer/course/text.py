@@ -13,12 +13,16 @@ from pathlib import Path
 MACHINE = re.compile(r"Xeon|EPYC|Ryzen|\bZen ?\d|Core i\d|load average|\.json\b|\bcommit\b|`[0-9a-f]{7,40}`", re.I)
 
 
+def without_code_and_comments(markdown: str) -> str:
+    """`markdown` without HTML comments and fenced code blocks: what a reader reads as text and tables."""
+    text = re.sub(r"<!--.*?-->", "", markdown, flags=re.S)
+    return re.sub(r"^(```|~~~).*?^\1", "", text, flags=re.S | re.M)
+
+
 def visible_paragraphs(markdown: str) -> list[str]:
     """The lesson's paragraphs as a reader sees them: no fenced code, tables, HTML comments, images; links
     reduced to their text."""
-    text = re.sub(r"<!--.*?-->", "", markdown, flags=re.S)
-    text = re.sub(r"^(```|~~~).*?^\1", "", text, flags=re.S | re.M)
-    text = re.sub(r"!\[[^\]]*\]\([^)]*\)", "", text)
+    text = re.sub(r"!\[[^\]]*\]\([^)]*\)", "", without_code_and_comments(markdown))
     text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)
     paras, cur = [], []
     for line in text.splitlines():

@@ -53,6 +53,11 @@ def draw(path: Path) -> None:
         if text:
             bot.text((a[0] + b[0]) / 2, (a[1] + b[1]) / 2 + dy, text, ha="center", va="bottom", fontsize=10)
 
+    def gpus(x0, color):  # a pool's three GPUs, in a row from x0
+        for i in range(3):
+            bot.add_patch(Rectangle((x0 + i * 1.6, 2.5), 1.2, 0.9, facecolor=color, edgecolor="white"))
+            bot.text(x0 + 0.6 + i * 1.6, 2.95, f"GPU {i}", ha="center", va="center", color="white", fontsize=9)
+
     bot.add_patch(FancyBboxPatch((0.3, 3.9), 2.4, 1.6, boxstyle="round,pad=0.15", facecolor="white",
                                  edgecolor="black"))
     bot.text(1.5, 4.7, "router\n(requests in)", ha="center", va="center", fontsize=10)
@@ -62,17 +67,13 @@ def draw(path: Path) -> None:
         "tuned for TTFT",
         "writes the prompt's KV cache",
         "and samples the first token"])
-    for i in range(3):
-        bot.add_patch(Rectangle((5.0 + i * 1.6, 2.5), 1.2, 0.9, facecolor=PREFILL, edgecolor="white"))
-        bot.text(5.6 + i * 1.6, 2.95, f"GPU {i}", ha="center", va="center", color="white", fontsize=9)
+    gpus(5.0, PREFILL)
     box(14.8, 2.0, 6.6, 6.0, DECODE, "decode pool", [
         "many sequences, one token each",
         "memory-bound: reads weights + KV",
         "tuned for ITL, large batches",
         "holds the KV of every stream"])
-    for i in range(3):
-        bot.add_patch(Rectangle((15.7 + i * 1.6, 2.5), 1.2, 0.9, facecolor=DECODE, edgecolor="white"))
-        bot.text(16.3 + i * 1.6, 2.95, f"GPU {i}", ha="center", va="center", color="white", fontsize=9)
+    gpus(15.7, DECODE)
     arrow((2.9, 4.7), (4.1, 4.7), "prompt", dy=0.25)
     arrow((10.4, 5.6), (14.6, 5.6), color=KV, lw=3.5)
     bot.text(12.5, 6.0, "KV cache transfer", ha="center", va="bottom", fontsize=11, weight="bold", color=KV)
