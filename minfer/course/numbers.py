@@ -15,6 +15,7 @@ a spec or paper on the web).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -72,8 +73,14 @@ def json_value(path: Path, fragment: str) -> float:
 
 def notebook_output_text(path: Path) -> str:
     """All saved output text of a notebook (streams, text/plain and text/markdown results)."""
+    p = Path(path).resolve()
+    return _notebook_output_text(p, p.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _notebook_output_text(path: Path, mtime_ns: int) -> str:  # a lesson links one notebook many times
     out = []
-    for c in json.loads(Path(path).read_text())["cells"]:
+    for c in json.loads(path.read_text())["cells"]:
         for o in c.get("outputs", []):
             if "text" in o:
                 out.append("".join(o["text"]))
