@@ -30,8 +30,13 @@ echo "llama.cpp source: $LLAMA ($(basename "$sdist"))"
 if [ ! -x "$BUILD/bin/llama-server" ] || [ ! -x "$BUILD/bin/llama-quantize" ]; then
     # GGML_NATIVE: -march=native, so the AVX-512/AVX2 kernels llama.cpp picks at compile time match this CPU.
     # LLAMA_CURL off: no model downloads (and no libcurl dependency); the server loads local files only.
+    # AMX off: on a Sapphire Rapids guest whose kernel does not grant the AMX tile state, -march=native compiles
+    # ggml's AMX matmul and llama-server dies at its first `ldtilecfg` (a general-protection fault); minfer's
+    # kernels use AVX-512 VNNI / AVX2 too, so the comparison stays on the same instructions.
+    NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     nice -n 19 cmake -S "$LLAMA" -B "$BUILD" -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release \
-        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
+        -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX"
     nice -n 19 cmake --build "$BUILD" --target llama-server llama-quantize -j "$JOBS"
 fi
 "$BUILD/bin/llama-server" --version 2>&1 | head -2 || true
