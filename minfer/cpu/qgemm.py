@@ -7,8 +7,9 @@
 
 Each activation row is quantized once per call to int8 in blocks of 32 (`quantize_activations`: dx =
 max|x| / 127, q = round(x / dx), and the block's integer sum); a register tile of 6 rows x 32 columns (4 x 16
-on AVX2; from `PANEL_ROWS` rows on over column tiles unpacked once per call) then sums integer products (AVX-512 VNNI `dpbusd`, or AVX2 `maddubs` + `madd`, chosen at run time) and turns each
-32-block's exact sum into floats with the column's scale and the row's dx (the C++ header says how).
+on AVX2; from `PANEL_ROWS` rows on over column tiles unpacked once per call) then sums integer products
+(AVX-512 VNNI `dpbusd`, or AVX2 `maddubs` + `madd`, chosen at run time) and turns each 32-block's exact sum
+into floats with the column's scale and the row's dx (the C++ header says how).
 
 The weights are packed once at load (`pack`) into the layout the inner loop streams, the same bytes as the
 codes: columns in tiles of 16, each 32-block of a tile as the 64-byte loads want it (`pack_codes`), scales as

@@ -51,10 +51,10 @@
 // inner loop only loads, broadcasts and multiplies; below (decode: bound by memory bandwidth, a panel would
 // only add a pass) the loop reads the packed 4-bit stream and splits the nibbles itself.
 //
-// Work split: OpenMP over (pairs of column tiles on VNNI, single tiles on AVX2) x (chunks of 72 rows), column
-// tiles outermost so that a thread's consecutive items reuse its panel; inside, row tiles of R. A chunk's
-// activations (72 x K bytes) stay in L2 while its column tiles are worked; at T = 1 this is one pass over the
-// weight, split across threads by columns.
+// Work split: OpenMP over (groups of 8 chunks of 72 rows) x (pairs of column tiles on VNNI, single tiles on
+// AVX2) x (the group's chunks), so that a thread's consecutive items reuse its panel while the group's
+// activations (576 x K bytes) stay in L2; inside, row tiles of R. At T = 1 this is one pass over the weight,
+// split across threads by columns.
 //
 // Instruction set chosen at run time (isa 0 = best this CPU has; 1 scalar, 2 AVX2, 3 AVX-512 VNNI forces one,
 // which the tests use): the AVX2 and VNNI functions carry target attributes, so one build runs on both.
@@ -79,6 +79,7 @@ namespace {
 constexpr int64_t kBlock = 32;
 constexpr int kMaxMR = 6;        // activation rows per register tile: 6 on VNNI (32 zmm), 4 on AVX2 (16 ymm)
 constexpr int64_t kChunk = 72;   // activation rows per work item (a multiple of both)
+constexpr int64_t kSuper = 8;    // chunks whose activations (576 x K bytes) stay in L2 while the columns pass
 constexpr int64_t kPanelRows = 32;  // from this many rows on, the column tiles are unpacked once per call
 
 inline float bf16_to_float(uint16_t h) {
@@ -584,20 +585,24 @@ extern "C" int minfer_qgemm(float* out, const float* x, const uint8_t* qs, const
     const int epi = epilogue_of(w);
     const Tiles tiles = panel ? pick<true>(isa, bits, epi) : pick<false>(isa, bits, epi);
     const int nc = tiles.max_nc, mr = tiles.mr;
-    const int64_t units = (P + nc - 1) / nc;
+    const int64_t units = (P + nc - 1) / nc, supers = (chunks + kSuper - 1) / kSuper;
 #pragma omp parallel num_threads(num_threads)
     {
       Panel pn;  // this thread's; refilled only when its next work item has other column tiles
-#pragma omp for collapse(2) schedule(static)
-      for (int64_t u = 0; u < units; ++u) {
-        for (int64_t ch = 0; ch < chunks; ++ch) {
-          const int64_t p0 = u * nc;
-          const int this_nc = (int)(P - p0 < nc ? P - p0 : nc);
-          const Cols cols = panel ? fill_panel(pn, w, p0, this_nc) : packed_cols(w, p0);
-          const int64_t t_end = (ch + 1) * kChunk < T ? (ch + 1) * kChunk : T;
-          for (int64_t t0 = ch * kChunk; t0 < t_end; t0 += mr) {
-            const int R = (int)(t_end - t0 < mr ? t_end - t0 : mr);
-            tiles.fn[R - 1][this_nc - 1](w, cols, p0, xq, t0, K, out, N);
+#pragma omp for collapse(3) schedule(static)
+      for (int64_t sc = 0; sc < supers; ++sc) {
+        for (int64_t u = 0; u < units; ++u) {
+          for (int64_t c8 = 0; c8 < kSuper; ++c8) {
+            const int64_t ch = sc * kSuper + c8;
+            if (ch >= chunks) continue;
+            const int64_t p0 = u * nc;
+            const int this_nc = (int)(P - p0 < nc ? P - p0 : nc);
+            const Cols cols = panel ? fill_panel(pn, w, p0, this_nc) : packed_cols(w, p0);
+            const int64_t t_end = (ch + 1) * kChunk < T ? (ch + 1) * kChunk : T;
+            for (int64_t t0 = ch * kChunk; t0 < t_end; t0 += mr) {
+              const int R = (int)(t_end - t0 < mr ? t_end - t0 : mr);
+              tiles.fn[R - 1][this_nc - 1](w, cols, p0, xq, t0, K, out, N);
+            }
           }
         }
       }
