@@ -4,7 +4,7 @@ T = 1, 16, 64, 256, 2048 rows (chapter 5 §5.3):
 
     python benchmarks/qgemm_kernel.py [--threads 2] [--rows 1,16,64,256,2048] [--head]
 
-  qgemm_<fmt>_<isa>   the tiled kernel on Q4_1 (the GGUF's blocks), int4 g64 and int8 codes, each ISA forced
+  qgemm_<fmt>_<isa>   the tiled kernel on Q4_1 and Q4_0 (the GGUF's blocks; each ISA forced), int4 g64 and int8 codes
   gemv_q4_1           the older kernel on the same Q4_1 bytes (rows <= 256: it is slow above)
   float32             F.linear on a float32 weight (oneDNN sgemm)
 
@@ -12,6 +12,15 @@ At 1 row each route cycles through `--copies` weight matrices (one per layer, as
 weights come from memory; at more rows the product is compute-bound and one matrix is reused. GFLOP/s =
 2 T N K / time. Writes assets/benchmarks/qgemm_kernel_cpu.json. The machine may be shared: compare only
 within a row (the routes of one row run interleaved, in the same minute).
+
+Against the machine's peaks (`--peak`: a JSON of benchmarks/peak_idiom.py, measured just before on the same
+machine), each qgemm route of a row gains `<route>_of_idiom` (its fraction of the multiply-add idiom's peak of
+its path: vpdpbusd on VNNI, maddubs + madd on AVX2) and `<route>_of_ceiling` (of the rate of qgemm's own block,
+the idiom plus its format's per-block float work: the ceiling); `--before` adds the same fractions to the rows
+of an earlier run of this script (its numbers as they were) under "before":
+
+    python benchmarks/qgemm_kernel.py --rows 64,256,512 --peak assets/benchmarks/peak_idiom_cpu.json \
+        --before OLD.json --out assets/benchmarks/qgemm_kernel_cpu_vs_idiom_peak.json
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import time
 from pathlib import Path
@@ -49,6 +59,25 @@ def _time(fns: list, x: torch.Tensor, repeats: int, min_s: float = 0.05) -> floa
     return statistics.median(runs) * 1e6
 
 
+# the block ceiling (peak_idiom.py's BLOCK_EPILOGUES) whose epilogue each route's format runs
+CEILING_OF = {"int8": "int8", "q4_0": "q4_0", "q4_1": "q4_1", "int4_g64": "q4_1"}
+PATH_OF = {"vnni": "avx512_vnni", "avx2": "avx2"}
+
+
+def add_fractions(row: dict, peak: dict) -> dict:
+    """`row` with `<route>_of_idiom` and `<route>_of_ceiling` for each qgemm route, from a peak_idiom.py JSON."""
+    out = dict(row)
+    for key, gops in row.items():
+        m = re.fullmatch(r"qgemm_(\w+?)_(vnni|avx2)_gflops", key)
+        if not m or PATH_OF[m[2]] not in peak.get("qgemm_ceiling", {}):
+            continue
+        ceiling = peak["qgemm_ceiling"][PATH_OF[m[2]]]
+        route = key[:-len("_gflops")]
+        out[f"{route}_of_idiom"] = round(gops / ceiling["idiom_gops"], 3)
+        out[f"{route}_of_ceiling"] = round(gops / ceiling[f"{CEILING_OF[m[1]]}_gops"], 3)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -58,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head", action="store_true",
                     help="also the tied LM head 49152x576 at 1 and 64 rows (2 copies): would routing it pay?")
     ap.add_argument("--out", default=str(ROOT / "assets" / "benchmarks" / "qgemm_kernel_cpu.json"))
+    ap.add_argument("--peak", default=None, help="a peak_idiom.py JSON: add each route's fraction of the peaks")
+    ap.add_argument("--before", default=None, help="an earlier JSON of this script: its rows with the fractions too")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -70,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     from minfer.quantization.int8 import quantize_int8
 
     isas = [i for i in ("vnni", "avx2") if ISAS[i] <= ISAS[best_isa()]]
+    peak = json.loads(Path(args.peak).read_text()) if args.peak else None
     out_rows = []
     load = os.getloadavg()[0]
     shapes = SHAPES + ([("lm_head", 49152, 576)] if args.head else [])
@@ -79,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         raws = [torch.from_numpy(np.ascontiguousarray(quantize(w.numpy(), GGMLQuantizationType.Q4_1))) for w in ws]
         planes = [repack_blocks(r, "Q4_1") for r in raws]
         q41 = [pack_gguf([p], "Q4_1") for p in planes]
+        raws0 = [torch.from_numpy(np.ascontiguousarray(quantize(w.numpy(), GGMLQuantizationType.Q4_0))) for w in ws]
+        q40 = [pack_gguf([repack_blocks(r, "Q4_0")], "Q4_0") for r in raws0]
         i4 = [pack(*quantize_int4(w, 64), 4, offset=8) for w in ws]
         i8 = []
         for w in ws:
@@ -90,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             routes = {}
             for isa in isas:
                 routes[f"qgemm_q4_1_{isa}"] = [lambda x, w=w, isa=isa: qgemm_unchecked(x, w, isa) for w in q41[:c]]
+                routes[f"qgemm_q4_0_{isa}"] = [lambda x, w=w, isa=isa: qgemm_unchecked(x, w, isa) for w in q40[:c]]
             routes[f"qgemm_int4_g64_{isas[0]}"] = [lambda x, w=w: qgemm_unchecked(x, w) for w in i4[:c]]
             routes[f"qgemm_int8_{isas[0]}"] = [lambda x, w=w: qgemm_unchecked(x, w) for w in i8[:c]]
             if t <= 256:
@@ -104,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
             row["speedup_int8_vs_float32"] = round(row["float32_us"] / row[f"qgemm_int8_{isas[0]}_us"], 2)
             if "gemv_q4_1_us" in row:
                 row["speedup_q4_1_vs_gemv"] = round(row["gemv_q4_1_us"] / row[f"qgemm_q4_1_{isas[0]}_us"], 2)
+            if args.peak:
+                row = add_fractions(row, peak)
             print(json.dumps(row), flush=True)
             out_rows.append(row)
     result = {"threads": args.threads, "copies_at_1_row": args.copies, "best_isa": best_isa(),
@@ -111,6 +148,13 @@ def main(argv: list[str] | None = None) -> int:
               "cpus": os.cpu_count(), "torch": torch.__version__,
               "note": "the load average before and after says what else ran; compare routes within a row",
               "rows": out_rows}
+    if peak:
+        result["peak"] = {"source": Path(args.peak).name, "qgemm_ceiling": peak["qgemm_ceiling"],
+                          "load_average_before_after": peak.get("load_average_before_after")}
+    if args.before:
+        before = json.loads(Path(args.before).read_text())
+        result["before"] = {"note": "an earlier run's numbers as they were, against this run's peaks",
+                            "rows": [add_fractions(r, peak) if peak else r for r in before["rows"]]}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
