@@ -16,11 +16,12 @@ within a row (the routes of one row run interleaved, in the same minute).
 Against the machine's peaks (`--peak`: a JSON of benchmarks/peak_idiom.py, measured just before on the same
 machine), each qgemm route of a row gains `<route>_of_idiom` (its fraction of the multiply-add idiom's peak of
 its path: vpdpbusd on VNNI, maddubs + madd on AVX2) and `<route>_of_ceiling` (of the rate of qgemm's own block,
-the idiom plus its format's per-block float work: the ceiling); `--before` adds the same fractions to the rows
-of an earlier run of this script (its numbers as they were) under "before":
+the idiom plus its format's per-block float work: the ceiling), and float32 sgemm `float32_of_fma` (of the FMA
+peak); `--before` adds the rows of an earlier run of this script (its numbers as they were), with their
+fractions of the peaks measured with them, under "before":
 
-    python benchmarks/qgemm_kernel.py --rows 64,256,512 --peak assets/benchmarks/peak_idiom_cpu.json \
-        --before OLD.json --out assets/benchmarks/qgemm_kernel_cpu_vs_idiom_peak.json
+    python benchmarks/qgemm_kernel.py --rows 64,256,512 --peak assets/benchmarks/peak_idiom_cpu.json \\
+        --before OLD.json:OLD_PEAK.json --out assets/benchmarks/qgemm_kernel_cpu_vs_idiom_peak.json
 """
 
 from __future__ import annotations
@@ -65,16 +66,23 @@ PATH_OF = {"vnni": "avx512_vnni", "avx2": "avx2"}
 
 
 def add_fractions(row: dict, peak: dict) -> dict:
-    """`row` with `<route>_of_idiom` and `<route>_of_ceiling` for each qgemm route, from a peak_idiom.py JSON."""
+    """`row` with `<route>_of_idiom` for each qgemm route, `<route>_of_ceiling` where the peak_idiom.py JSON `peak`
+    has the block ceilings (older ones have only the idiom's peaks), and `float32_of_fma` (sgemm's fraction of
+    the float32 FMA peak)."""
     out = dict(row)
+    if "float32_gflops" in row and peak.get("fma_gflops"):  # sgemm against the float32 FMA peak
+        out["float32_of_fma"] = round(row["float32_gflops"] / peak["fma_gflops"], 3)
     for key, gops in row.items():
         m = re.fullmatch(r"qgemm_(\w+?)_(vnni|avx2)_gflops", key)
-        if not m or PATH_OF[m[2]] not in peak.get("qgemm_ceiling", {}):
+        if not m:
             continue
-        ceiling = peak["qgemm_ceiling"][PATH_OF[m[2]]]
-        route = key[:-len("_gflops")]
-        out[f"{route}_of_idiom"] = round(gops / ceiling["idiom_gops"], 3)
-        out[f"{route}_of_ceiling"] = round(gops / ceiling[f"{CEILING_OF[m[1]]}_gops"], 3)
+        path, route = PATH_OF[m[2]], key[:-len("_gflops")]
+        ceiling = peak.get("qgemm_ceiling", {}).get(path)
+        idiom = ceiling["idiom_gops"] if ceiling else peak.get("int8_idiom_gops_by_isa", {}).get(path)
+        if idiom:
+            out[f"{route}_of_idiom"] = round(gops / idiom, 3)
+        if ceiling:
+            out[f"{route}_of_ceiling"] = round(gops / ceiling[f"{CEILING_OF[m[1]]}_gops"], 3)
     return out
 
 
@@ -88,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="also the tied LM head 49152x576 at 1 and 64 rows (2 copies): would routing it pay?")
     ap.add_argument("--out", default=str(ROOT / "assets" / "benchmarks" / "qgemm_kernel_cpu.json"))
     ap.add_argument("--peak", default=None, help="a peak_idiom.py JSON: add each route's fraction of the peaks")
-    ap.add_argument("--before", default=None, help="an earlier JSON of this script: its rows with the fractions too")
+    ap.add_argument("--before", action="append", default=[], metavar="JSON[:PEAK_JSON]",
+                    help="an earlier run of this script (repeatable): its rows with their fractions of PEAK_JSON's "
+                         "peaks (default: --peak's), under 'before'")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -149,12 +159,17 @@ def main(argv: list[str] | None = None) -> int:
               "note": "the load average before and after says what else ran; compare routes within a row",
               "rows": out_rows}
     if peak:
-        result["peak"] = {"source": Path(args.peak).name, "qgemm_ceiling": peak["qgemm_ceiling"],
+        result["peak"] = {"source": Path(args.peak).name, "fma_gflops": peak["fma_gflops"],
+                          "int8_idiom_gops": peak["int8_idiom_gops"], "qgemm_ceiling": peak["qgemm_ceiling"],
                           "load_average_before_after": peak.get("load_average_before_after")}
-    if args.before:
-        before = json.loads(Path(args.before).read_text())
-        result["before"] = {"note": "an earlier run's numbers as they were, against this run's peaks",
-                            "rows": [add_fractions(r, peak) if peak else r for r in before["rows"]]}
+    result["before"] = []
+    for spec in args.before:
+        path, _, peak_path = spec.partition(":")
+        their_peak = json.loads(Path(peak_path).read_text()) if peak_path else peak
+        rows = json.loads(Path(path).read_text())["rows"]
+        result["before"].append({"source": Path(path).name, "peak": Path(peak_path or args.peak or "").name or None,
+                                 "peak_int8_idiom_gops": their_peak["int8_idiom_gops"] if their_peak else None,
+                                 "rows": [add_fractions(r, their_peak) if their_peak else r for r in rows]})
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
