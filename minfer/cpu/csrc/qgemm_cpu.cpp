@@ -263,10 +263,6 @@ void tile_scalar(const Packed& w, int64_t p, const QuantizedRows& x, int64_t t0,
   }
 }
 
-#ifdef MINFER_X86
-#define MINFER_VNNI_TARGET "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"
-#define MINFER_AVX2_TARGET "avx2,fma,f16c"
-
 // The column tiles a tile function reads: straight from the packed weight (4-bit codes two to a byte, 16-bit
 // scales per group), or from a panel unpacked for this call (one code per byte in the 8-bit layout, float
 // scales per block; `fill_panel`).
@@ -281,6 +277,11 @@ Cols packed_cols(const Packed& w, int64_t p0) {
   return Cols{w.qs + p0 * w.G * w.block_bytes, w.G * w.block_bytes, w.d + p0 * w.Gs * 16,
               w.m ? w.m + p0 * w.Gs * 16 : nullptr, nullptr, nullptr};
 }
+
+#ifdef MINFER_X86
+#define MINFER_VNNI_TARGET "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"
+#define MINFER_AVX2_TARGET "avx2,fma,f16c"
+
 
 // 8 scales (float16 or bfloat16) -> 8 floats
 __attribute__((always_inline, target(MINFER_AVX2_TARGET))) inline __m256 load_scales8(const uint16_t* s, int bf16) {
