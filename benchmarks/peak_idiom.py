@@ -9,6 +9,13 @@ The kernels (`peak_idiom_cpu.cpp`, built through `minfer.cpu.build`) keep indepe
 float32 FMA on 12 chains (ymm with AVX2 + FMA, zmm with AVX-512F); the integer idiom of the integer GEMMs
 (`minfer/cpu/qgemm.py`): vpmaddubsw + vpmaddwd + vpaddd on AVX2 and AVX-512BW, vpdpbusd with AVX-VNNI or
 AVX-512 VNNI. The idiom picked is the widest this CPU runs (AVX-512 VNNI > AVX-VNNI > AVX-512BW > AVX2 > scalar).
+The idiom alone is not all the integer GEMM does: each block of 32 of K also turns its integer sums into floats
+(cvt, the scales' mul, fma), on the same vector ports. So the JSON also records "qgemm_ceiling": the rate of
+qgemm's real inner work on one block held in L1 (the register tile, the weight and broadcast loads, the dot
+products and the epilogue of each weight format: int8's per-row scale, Q4_0's per-block one, Q4_1's with its
+offset), per SIMD path qgemm has (AVX-512 VNNI, AVX2), beside that path's idiom peak: the kernel's measured
+ceiling, and what the per-block float scales cost against the bare idiom.
+
 Operations are counted as a GEMM counts them: 2 per FMA lane, 2 per u8 x s8 product. Every OpenMP thread runs the
 loop (`--threads`, default: every CPU this process may use); each peak is the best of `--repeats` timed calls of
 about `--seconds` each.
@@ -37,6 +44,9 @@ from minfer.cpu.build import I32, I64, PTR, CppLibrary  # noqa: E402
 SOURCE = Path(__file__).with_name("peak_idiom_cpu.cpp")
 FMA_ISAS = {"scalar": 0, "avx2_fma": 1, "avx512f": 2}
 IDIOM_ISAS = {"scalar": 0, "avx2": 1, "avx512bw": 2, "avx_vnni": 3, "avx512_vnni": 4}
+# qgemm's block loop (kind 2 + epilogue): the weight formats whose epilogue each one is
+BLOCK_EPILOGUES = {"int8": 0, "q4_0": 1, "q4_1": 2}  # per-row scale; per-block scale (also Q8_0); + offset (int4)
+BLOCK_ISAS = ("avx512_vnni", "avx2")  # qgemm's SIMD paths
 FMA_LANES = {"scalar": 1, "avx2_fma": 8, "avx512f": 16}
 
 # -O3 without -march=native: every ISA's function carries its own target attribute (the .cpp's last comment).
@@ -135,8 +145,9 @@ def measure(threads: int | None = None, seconds: float = 0.3, repeats: int = 3, 
             idiom_isa: str | None = None, all_isas: bool = False) -> dict:
     """Measure the peaks. Returns {"isa": the idiom ISA, "fma_isa", "threads", "fma_gflops" (GFLOP/s),
     "int8_idiom_gops" (GOP/s, 2 per u8 x s8 product), "clock_ghz", "physical_cores_used", "theoretical_fma_gflops",
-    "theoretical_int8_idiom_gops", "theoretical_assumes", "load_average_before_after"} and, with `all_isas`,
-    "int8_idiom_gops_by_isa" for every idiom ISA this CPU runs.
+    "theoretical_int8_idiom_gops", "theoretical_assumes", "load_average_before_after", "qgemm_ceiling": {path:
+    {"idiom_gops", "<fmt>_gops", "<fmt>_of_idiom"} for qgemm's SIMD paths this CPU runs, fmt in BLOCK_EPILOGUES}}
+    and, with `all_isas`, "int8_idiom_gops_by_isa" for every idiom ISA this CPU runs.
 
     `fma_isa` / `idiom_isa` force one (names of FMA_ISAS / IDIOM_ISAS; default: the widest this CPU runs).
     Raises `minfer.cpu.build.KernelUnavailable` when the kernel does not build, ValueError for an unknown ISA or
@@ -160,6 +171,16 @@ def measure(threads: int | None = None, seconds: float = 0.3, repeats: int = 3, 
                 res["int8_idiom_gops_by_isa"][name] = _rate(1, code, threads, seconds, repeats) / 1e9
             except ValueError:
                 continue  # not on this CPU
+    res["qgemm_ceiling"] = {}
+    for name in BLOCK_ISAS:
+        try:  # the path's idiom peak: the one measured above where it is the same ISA
+            peak = res["int8_idiom_gops"] if name == idiom else _rate(1, IDIOM_ISAS[name], threads, seconds, repeats) / 1e9
+        except ValueError:
+            continue  # not on this CPU
+        row = res["qgemm_ceiling"][name] = {"idiom_gops": peak}
+        for fmt, e in BLOCK_EPILOGUES.items():
+            row[f"{fmt}_gops"] = _rate(2 + e, IDIOM_ISAS[name], threads, seconds, repeats) / 1e9
+            row[f"{fmt}_of_idiom"] = round(row[f"{fmt}_gops"] / peak, 3)
     ghz = max_clock_ghz()
     cores = min(threads, physical_cores() or threads)  # SMT siblings share one core's vector units
     res.update(clock_ghz=ghz, physical_cores_used=cores,

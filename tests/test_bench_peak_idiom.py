@@ -68,3 +68,18 @@ def test_ops_per_iteration_count_two_per_product(lib):
     assert lib.peak_ops_per_iter(0, peak.FMA_ISAS["avx512f"]) == 12 * 16 * 2
     assert lib.peak_ops_per_iter(1, peak.IDIOM_ISAS["avx512_vnni"]) == 12 * 64 * 2
     assert lib.peak_ops_per_iter(1, peak.IDIOM_ISAS["avx2"]) == 6 * 32 * 2
+
+
+def test_the_qgemm_block_ceiling_is_measured_for_each_simd_path_the_cpu_has(lib):
+    r = peak.measure(threads=1, seconds=0.01, repeats=1)
+    flags = peak.cpu_flags()
+    has = {"avx2": "avx2" in flags, "avx512_vnni": {"avx512f", "avx512_vnni"} <= flags}
+    assert set(r["qgemm_ceiling"]) == {isa for isa, present in has.items() if present}
+    for row in r["qgemm_ceiling"].values():
+        assert row["idiom_gops"] > 0
+        for fmt in peak.BLOCK_EPILOGUES:
+            assert row[f"{fmt}_gops"] > 0 and row[f"{fmt}_of_idiom"] == round(row[f"{fmt}_gops"] / row["idiom_gops"], 3)
+    # a tile of 6 rows x 32 columns x one block of 32 (VNNI), 4 x 16 x 32 (AVX2), 2 operations per product
+    assert lib.peak_ops_per_iter(2, peak.IDIOM_ISAS["avx512_vnni"]) == 6 * 32 * 32 * 2
+    assert lib.peak_ops_per_iter(4, peak.IDIOM_ISAS["avx2"]) == 4 * 16 * 32 * 2
+    assert lib.peak_run(2, peak.IDIOM_ISAS["avx512bw"], 1, 1, None) == -1.0  # not one of qgemm's paths

@@ -124,6 +124,23 @@ def test_a_rows_result_does_not_depend_on_the_batch_tile_or_threads(fmt):
 
 
 @needs_kernel
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q4_0", "Q8_0", "int4-64", "int8"])
+def test_the_unpacked_panel_and_the_packed_stream_give_the_same_bits(fmt):
+    # from PANEL_ROWS rows on, the kernel unpacks each column panel once per call (one code per byte, float
+    # scales); below, it reads the packed codes: at T just below / at / above the switch, odd N (a half tile
+    # and a lone last tile), the rows must come out as they do one at a time
+    from minfer.cpu.qgemm import PANEL_ROWS
+
+    k = _k_for(fmt)
+    w, _ = _weight(fmt, 16 * 5 + 3, k, seed=7)
+    x = torch.randn(PANEL_ROWS + 9, k, generator=torch.Generator().manual_seed(2)) * 2
+    for isa in _isas():
+        alone = torch.cat([qgemm(x[i:i + 1], w, isa=isa) for i in range(len(x))])
+        for t in (PANEL_ROWS - 1, PANEL_ROWS, PANEL_ROWS + 1, PANEL_ROWS + 9):
+            assert torch.equal(qgemm(x[:t], w, isa=isa), alone[:t]), (isa, t)
+
+
+@needs_kernel
 def test_bad_input_is_a_clear_error():
     codes = torch.randint(0, 16, (8, 48), dtype=torch.uint8)
     s = torch.ones(8, 1, dtype=torch.bfloat16)

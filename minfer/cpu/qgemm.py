@@ -6,10 +6,10 @@
     8-bit   w = q d               q in -128..127   GGUF Q8_0 (groups of 32), int8 (one group = the whole row)
 
 Each activation row is quantized once per call to int8 in blocks of 32 (`quantize_activations`: dx =
-max|x| / 127, q = round(x / dx), and the block's integer sum); a register tile of 4 rows x 32 columns (16 on
-AVX2) then
-sums integer products (AVX-512 VNNI `dpbusd`, or AVX2 `maddubs` + `madd`, chosen at run time) and turns each
-32-block's exact sum into floats with the column's scale and the row's dx (the C++ header says how).
+max|x| / 127, q = round(x / dx), and the block's integer sum); a register tile of 6 rows x 32 columns (4 x 16
+on AVX2; from `PANEL_ROWS` rows on over column tiles unpacked once per call) then sums integer products
+(AVX-512 VNNI `dpbusd`, or AVX2 `maddubs` + `madd`, chosen at run time) and turns each 32-block's exact sum
+into floats with the column's scale and the row's dx (the C++ header says how).
 
 The weights are packed once at load (`pack`) into the layout the inner loop streams, the same bytes as the
 codes: columns in tiles of 16, each 32-block of a tile as the 64-byte loads want it (`pack_codes`), scales as
@@ -39,6 +39,7 @@ from minfer.cpu.build import I32, I64, PTR, CppLibrary, KernelUnavailable
 CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 BLOCK = 32
 TILE = 16  # output columns per register tile
+PANEL_ROWS = 32  # from this many rows on, the C++ unpacks each column panel once per call (its kPanelRows)
 ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "vnni": 3}
 ISA_NAMES = {v: k for k, v in ISAS.items()}
 

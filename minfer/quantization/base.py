@@ -7,7 +7,7 @@ quantizes it once in `process_weights_after_loading`, and then runs one route pe
   plus the scales), the activations are quantized per call to int8 blocks of 32, and a register-tiled
   micro-kernel sums u8 x s8 products (AVX-512 VNNI or AVX2). One code path for every T keeps a row's result
   batch-invariant, and no call expands the weight to floats. Measured against oneDNN's float32 sgemm on
-  SmolLM2's shapes (chapter 5 §5.3, assets/benchmarks/qgemm_kernel_cpu.json): 2.5-5.4x faster at 16-2048 rows
+  SmolLM2's shapes (chapter 5 §5.3, assets/benchmarks/qgemm_kernel_cpu.json): 1.8-4.7x faster at 16-512 rows
   on 2 cores, and reading 4-7x fewer bytes at 1 row. The price is the activation rounding to 8 bits per block
   of 32 (chapter 5 §5.9 measures the perplexity: int8 +0.31% against float32).
 - where the kernel does not build (no compiler), or with kernels="reference": the older routes, torch's packed CPU
