@@ -393,6 +393,7 @@ def main(argv=None) -> int:
     ap.add_argument("--old-log-flag", action="store_true", help="vLLM --disable-log-requests (older vLLMs)")
     ap.add_argument("--raw-dir", default=None, help="where py-spy's raw files and the server log go")
     ap.add_argument("--json", default=None, help="append this run to the JSON file's `runs` (created if missing)")
+    ap.add_argument("--label", default=None, help="a name for this run in the JSON (which code, which flags)")
     ap.add_argument("--fold", default=None, help="only fold this raw file and print its categories")
     ap.add_argument("--engine", choices=("minfer", "vllm"), default="minfer", help="the pattern table of --fold")
     args = ap.parse_args(argv)
@@ -407,6 +408,7 @@ def main(argv=None) -> int:
         return 2
     args.num_prompts = args.num_prompts or 2 * args.concurrency
     run = profile_server(args.server, args)
+    run["label"] = args.label
     print_table(run)
     if args.json:
         path = Path(args.json)
