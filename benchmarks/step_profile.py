@@ -29,7 +29,9 @@ engine has a small table of (category, kind, regex); a stack's category is found
    the table, with its heaviest leaf frames in the JSON, so that what the patterns miss stays visible).
 
 Seconds are samples / `--rate`: py-spy samples each thread of a process `--rate` times a second, so a
-process's busy seconds are summed over its Python threads. OpenMP worker threads have no Python state and
+process's busy seconds are summed over its Python threads; `ms_per_token` divides them by the output tokens
+the server generated in the window (its counter, read when sampling starts and stops), so that two servers of
+different speeds compare per unit of work. OpenMP worker threads have no Python state and
 are not sampled: the thread that starts a parallel region does its share of it, so a GEMM's seconds are wall
 seconds of the step, not CPU seconds of both cores. Sampling with --native pauses the process briefly each
 time: a profiled run is slower than an unprofiled one (the JSON has the client's numbers of both).
@@ -295,28 +297,37 @@ def run_client_sampled(url: str, root_pid: int, engine: str, args, raw_dir: Path
     th = threading.Thread(target=client, daemon=True)
     th.start()
     sampler, window, logs = None, 0.0, []
+    tokens_at = [None, None]  # the counter when sampling started and stopped
     load_start = os.getloadavg()
     while th.is_alive():
-        done = ((generation_tokens(url) or base) - base) / total
+        count = generation_tokens(url) or base
+        done = (count - base) / total
         if sampler is None and done >= args.start_frac:
             pids = {p: process_label(p, root_pid) for p in process_tree(root_pid)}
-            sampler = Sampler(pids, args.rate, raw_dir)
+            sampler, tokens_at[0] = Sampler(pids, args.rate, raw_dir), count
         elif sampler is not None and done >= args.stop_frac:
             window, logs = sampler.stop()
+            tokens_at[1] = generation_tokens(url)
             break
         time.sleep(1.0)  # each poll renders /metrics in the API process: seldom, so it barely shows
     th.join()
     if sampler is not None and not window:
         window, logs = sampler.stop()
+        tokens_at[1] = generation_tokens(url)
+    window_tokens = tokens_at[1] - tokens_at[0] if None not in tokens_at else None
     processes = {}
     for pid, (label, path) in (sampler.files.items() if sampler else []):
         text = path.read_text() if path.exists() else ""
         folded = fold(text, engine, args.rate) if text.strip() else None
         if folded and folded["samples"]:  # a process that only waited (the resource tracker) is left out
+            if window_tokens:  # per output token of the window: engines with different speeds compare
+                for cat in folded["categories"].values():
+                    cat["ms_per_token"] = round(1000 * cat["s"] / window_tokens, 3)
             processes[label] = {"pid": pid, "raw": str(path), **folded}
     keep = ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
             "mean_itl_ms", "completed", "failed", "duration")
-    return {"client": {k: result.get(k) for k in keep}, "window_s": round(window, 2), "py_spy_log": logs,
+    return {"client": {k: result.get(k) for k in keep}, "window_s": round(window, 2),
+            "window_output_tokens": window_tokens, "py_spy_log": logs,
             "load_average": {"start": load_start, "end": os.getloadavg()}, "processes": processes}
 
 
@@ -360,13 +371,15 @@ def profile_server(engine: str, args) -> dict:
 def print_table(run: dict) -> None:
     """Seconds and shares per category, one column per process."""
     procs = run["processes"]
-    print(f"\n{run['server']} c={run['concurrency']}: window {run['window_s']} s, client {run['client']}")
-    print(f"  {'category':12s}" + "".join(f"{name:>22s}" for name in procs))
+    print(f"\n{run['server']} c={run['concurrency']}: window {run['window_s']} s, {run['window_output_tokens']} "
+          f"output tokens, client {run['client']}")
+    print(f"  {'category':12s}" + "".join(f"{name:>34s}" for name in procs))
     for c in CATEGORIES:
-        cells = "".join(f"{p['categories'][c]['s']:10.2f} s {100 * p['categories'][c]['share']:6.1f} %  "
+        cells = "".join(f"{p['categories'][c]['s']:8.2f} s {100 * p['categories'][c]['share']:5.1f} % "
+                        f"{p['categories'][c].get('ms_per_token', float('nan')):6.2f} ms/tok  "
                         for p in procs.values())
         print(f"  {c:12s}{cells}")
-    print(f"  {'busy':12s}" + "".join(f"{p['busy_s']:10.2f} s {'':10s}" for p in procs.values()))
+    print(f"  {'busy':12s}" + "".join(f"{p['busy_s']:8.2f} s {'':24s}" for p in procs.values()))
 
 
 def cpu_model() -> str:
