@@ -230,17 +230,26 @@ def process_label(pid: int, root: int) -> str:
     return f"{p.name()}-{pid}"
 
 
-def generation_tokens(url: str) -> float | None:
-    """The server's `generation_tokens_total` counter (minfer: and vllm: names), summed over its labels."""
+def token_counters(url: str) -> dict[str, float] | None:
+    """The server's `generation_tokens_total` and `prompt_tokens_total` counters (minfer: and vllm: names),
+    each summed over its labels; None when /metrics does not answer."""
     import httpx
 
     try:
         text = httpx.get(url + "/metrics", timeout=5).text
     except httpx.HTTPError:
         return None
-    rx = re.compile(r"^(?:minfer|vllm):generation_tokens_total(?:\{[^}]*\})?\s+(\S+)$", re.M)
-    vals = [float(v) for v in rx.findall(text)]
-    return sum(vals) if vals else None
+    out = {}
+    for kind in ("generation", "prompt"):
+        rx = re.compile(rf"^(?:minfer|vllm):{kind}_tokens_total(?:\{{[^}}]*\}})?\s+(\S+)$", re.M)
+        out[kind] = sum(float(v) for v in rx.findall(text))
+    return out
+
+
+def generation_tokens(url: str) -> float | None:
+    """The server's `generation_tokens_total` counter (`token_counters`)."""
+    counters = token_counters(url)
+    return counters["generation"] if counters else None
 
 
 class Sampler:
@@ -304,17 +313,20 @@ def run_client_sampled(url: str, root_pid: int, engine: str, args, raw_dir: Path
         done = (count - base) / total
         if sampler is None and done >= args.start_frac:
             pids = {p: process_label(p, root_pid) for p in process_tree(root_pid)}
-            sampler, tokens_at[0] = Sampler(pids, args.rate, raw_dir), count
+            sampler, tokens_at[0] = Sampler(pids, args.rate, raw_dir), token_counters(url)
         elif sampler is not None and done >= args.stop_frac:
             window, logs = sampler.stop()
-            tokens_at[1] = generation_tokens(url)
+            tokens_at[1] = token_counters(url)
             break
         time.sleep(1.0)  # each poll renders /metrics in the API process: seldom, so it barely shows
     th.join()
     if sampler is not None and not window:
         window, logs = sampler.stop()
-        tokens_at[1] = generation_tokens(url)
-    window_tokens = tokens_at[1] - tokens_at[0] if None not in tokens_at else None
+        tokens_at[1] = token_counters(url)
+    window_prompt, window_tokens = None, None
+    if None not in tokens_at:
+        window_tokens = tokens_at[1]["generation"] - tokens_at[0]["generation"]
+        window_prompt = tokens_at[1]["prompt"] - tokens_at[0]["prompt"]
     processes = {}
     for pid, (label, path) in (sampler.files.items() if sampler else []):
         text = path.read_text() if path.exists() else ""
@@ -327,7 +339,7 @@ def run_client_sampled(url: str, root_pid: int, engine: str, args, raw_dir: Path
     keep = ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
             "mean_itl_ms", "completed", "failed", "duration")
     return {"client": {k: result.get(k) for k in keep}, "window_s": round(window, 2),
-            "window_output_tokens": window_tokens, "py_spy_log": logs,
+            "window_output_tokens": window_tokens, "window_prompt_tokens": window_prompt, "py_spy_log": logs,
             "load_average": {"start": load_start, "end": os.getloadavg()}, "processes": processes}
 
 
@@ -399,8 +411,10 @@ def main(argv=None) -> int:
     ap.add_argument("--input-len", type=int, default=192)
     ap.add_argument("--output-len", type=int, default=48)
     ap.add_argument("--rate", type=int, default=50, help="py-spy samples per second per thread")
-    ap.add_argument("--start-frac", type=float, default=0.15, help="sample from this fraction of output tokens")
-    ap.add_argument("--stop-frac", type=float, default=0.85, help="... to this one")
+    ap.add_argument("--start-frac", type=float, default=0.15,
+                    help="sample from this fraction of the run's output tokens (0: from the start)")
+    ap.add_argument("--stop-frac", type=float, default=0.85,
+                    help="... to this one (1: to the end; 0 and 1 give two servers the same work to compare)")
     ap.add_argument("--no-plain", dest="plain", action="store_false", help="skip the unprofiled run")
     ap.add_argument("--minfer-args", default="", help="extra flags for `python -m minfer.serve`, one string")
     ap.add_argument("--old-log-flag", action="store_true", help="vLLM --disable-log-requests (older vLLMs)")
