@@ -82,6 +82,7 @@ PATTERNS: dict[str, list[tuple[str, str, str]]] = {
                                 r"engine_stats|LLMEngine\.(?:step|_update|_outputs|_retire)|step_hooks|"
                                 r"minfer/extensions|sequence\.py|outputs\.py"),
         ("prepare", "context", r"prepare_inputs|ForwardContext|attn_metadata|slot_mapping"),
+        ("schedule", "context", r"minfer/serve/engine_core\.py"),  # the engine loop's own Python
         ("attention", "context", r"minfer/attention/|minfer/cpu/attention\.py|Attention\.forward"),
         ("forward", "context", r"ModelRunner\.(?:run_model|compute_logits|execute_model)|minfer/model/|"
                                r"minfer/cpu/|torch/nn/modules"),
@@ -332,12 +333,9 @@ def run_client_sampled(url: str, root_pid: int, engine: str, args, raw_dir: Path
         text = path.read_text() if path.exists() else ""
         folded = fold(text, engine, args.rate) if text.strip() else None
         if folded and folded["samples"]:  # a process that only waited (the resource tracker) is left out
-            if window_tokens:  # per output token of the window: engines with different speeds compare
-                for cat in folded["categories"].values():
-                    cat["ms_per_token"] = round(1000 * cat["s"] / window_tokens, 3)
-            processes[label] = {"pid": pid, "raw": str(path), **folded}
+            processes[label] = {"pid": pid, "raw": str(path), **add_per_token(folded, window_tokens)}
     keep = ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
-            "mean_itl_ms", "completed", "failed", "duration")
+            "mean_itl_ms", "completed", "failed", "duration_s")
     return {"client": {k: result.get(k) for k in keep}, "window_s": round(window, 2),
             "window_output_tokens": window_tokens, "window_prompt_tokens": window_prompt, "py_spy_log": logs,
             "load_average": {"start": load_start, "end": os.getloadavg()}, "processes": processes}
@@ -378,6 +376,25 @@ def profile_server(engine: str, args) -> dict:
         stop_server(proc, log)
     return {"server": engine, "concurrency": args.concurrency, "num_prompts": args.num_prompts,
             "minfer_args": args.minfer_args if engine == "minfer" else None, "unprofiled": plain, **sampled}
+
+
+def add_per_token(folded: dict, window_tokens: float | None) -> dict:
+    """Each category's ms per output token of the window (engines of different speeds compare per unit of work)."""
+    if window_tokens:
+        for cat in folded["categories"].values():
+            cat["ms_per_token"] = round(1000 * cat["s"] / window_tokens, 3)
+    return folded
+
+
+def refold(path: Path) -> None:
+    """Fold every process of every run in the JSON at `path` again from its raw file, in place."""
+    doc = json.loads(path.read_text())
+    for run in doc["runs"]:
+        for label, proc in run["processes"].items():
+            folded = fold(Path(proc["raw"]).read_text(), run["server"], doc["py_spy_rate_hz"])
+            run["processes"][label] = {"pid": proc["pid"], "raw": proc["raw"],
+                                       **add_per_token(folded, run.get("window_output_tokens"))}
+    path.write_text(json.dumps(doc, indent=1) + "\n")
 
 
 def print_table(run: dict) -> None:
@@ -423,9 +440,14 @@ def main(argv=None) -> int:
     ap.add_argument("--label", default=None, help="a name for this run in the JSON (which code, which flags)")
     ap.add_argument("--fold", default=None, help="only fold this raw file and print its categories")
     ap.add_argument("--engine", choices=("minfer", "vllm"), default="minfer", help="the pattern table of --fold")
+    ap.add_argument("--refold", default=None,
+                    help="fold every run of this JSON again from its raw files (after the patterns changed)")
     args = ap.parse_args(argv)
     if args.fold:
         print(json.dumps(fold(Path(args.fold).read_text(), args.engine, args.rate), indent=2))
+        return 0
+    if args.refold:
+        refold(Path(args.refold))
         return 0
     if shutil.which("py-spy") is None:
         print("py-spy not found: `pip install py-spy` (a benchmark-only tool; needs ptrace rights)", file=sys.stderr)
