@@ -137,6 +137,8 @@ def main(argv=None) -> int:
         "decode_only_total_s": sum(decode_only),
         "prefill_steps": len(prefill), "prefill_total_s": sum(s["s"] for s in prefill),
         "prefill_tokens_per_step_mean": statistics.mean(s["tokens"] for s in prefill) if prefill else None,
+        # turning batches into tensors (`ModelRunner.prepare_inputs`), whole run incl. warm-up, per step
+        "prepare_ms_per_step": 1000 * engine.worker.build_time_s / max(engine.num_steps, 1),
     }
     cfg = {k: v for k, v in vars(args).items() if k != "json"}
     cfg["threads"] = torch.get_num_threads()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from minfer.attention import ForwardContext
@@ -30,8 +31,10 @@ class ModelRunner:
 
     def prepare_inputs(self, batch: "ScheduledBatch") -> tuple[torch.Tensor, ForwardContext, list[int]]:
         """Flat input ids `[num_tokens]` and the ForwardContext of a batch; also which batch rows sample this
-        step (those whose prompt is complete). Built with tensor ops, so the per-step cost does not grow with a
-        Python loop over tokens."""
+        step (those whose prompt is complete). The index arithmetic is vectorized, so the per-step cost does
+        not grow with a Python loop over tokens, and done in numpy: it is a few hundred integers, and torch's
+        `repeat_interleave` runs even that as an OpenMP region, a fork-join of both cores per call that costs
+        a scheduler wake-up whenever the other thread was descheduled (a busy machine; lab notes 9b)."""
         dev = self.device
         seqs, counts = batch.seqs, batch.num_new_tokens
         ids: list[int] = []
@@ -43,12 +46,14 @@ class ModelRunner:
                 ids.extend(s.all_token_ids[a:] + s.spec_token_ids)
             else:
                 ids.extend(s.all_token_ids[a:a + n])
-        starts = torch.tensor([s.num_computed_tokens for s in seqs], dtype=torch.long)
-        n_t = torch.tensor(counts, dtype=torch.long)
-        cu_q = torch.zeros(len(seqs) + 1, dtype=torch.long)
-        torch.cumsum(n_t, 0, out=cu_q[1:])
-        seq_idx = torch.repeat_interleave(torch.arange(len(seqs)), n_t)
-        positions = starts[seq_idx] + torch.arange(int(cu_q[-1])) - cu_q[:-1][seq_idx]
+        starts_np = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=len(seqs))
+        n_np = np.asarray(counts, dtype=np.int64)
+        cu_np = np.zeros(len(seqs) + 1, dtype=np.int64)
+        np.cumsum(n_np, out=cu_np[1:])
+        seq_idx_np = np.repeat(np.arange(len(seqs)), n_np)  # the batch row of each new token
+        positions_np = starts_np[seq_idx_np] + np.arange(cu_np[-1]) - cu_np[:-1][seq_idx_np]
+        starts, n_t, cu_q = torch.from_numpy(starts_np), torch.from_numpy(n_np), torch.from_numpy(cu_np)
+        seq_idx, positions = torch.from_numpy(seq_idx_np), torch.from_numpy(positions_np)
         context_lens = starts + n_t
         if self.kv_groups is None:
             max_blocks = max(len(s.block_table) for s in seqs)
@@ -59,15 +64,14 @@ class ModelRunner:
         slots = (tables[..., seq_idx, positions // self.block_size].long() * self.block_size
                  + positions % self.block_size)
         num_prefills = sum(1 for n in counts if n > 1)
-        n_pt = int(cu_q[num_prefills])
+        n_pt = int(cu_np[num_prefills])
         spec = [len(s.spec_token_ids) for s in seqs]
         sample_rows = [j for j, s in enumerate(seqs) if s.num_computed_tokens + counts[j] == len(s) + spec[j]]
         # A speculating row needs the logits of its last k + 1 positions (verification), others of their last.
-        n_logits = torch.tensor([1 + spec[j] for j in sample_rows], dtype=torch.long)
-        ends = torch.repeat_interleave(cu_q[1:][sample_rows], n_logits)
-        offsets = torch.arange(int(n_logits.sum())) - torch.repeat_interleave(torch.cumsum(n_logits, 0) - n_logits,
-                                                                                n_logits)
-        logits_indices = ends - n_logits.repeat_interleave(n_logits) + offsets
+        n_logits = np.asarray([1 + spec[j] for j in sample_rows], dtype=np.int64)
+        ends = np.repeat(cu_np[1:][sample_rows], n_logits)
+        offsets = np.arange(n_logits.sum()) - np.repeat(np.cumsum(n_logits) - n_logits, n_logits)
+        logits_indices = torch.from_numpy(ends - np.repeat(n_logits, n_logits) + offsets)
         ctx = ForwardContext(
             attn_backend=self.backend, positions=positions.to(dev), num_prefills=num_prefills,
             num_prefill_tokens=n_pt,
