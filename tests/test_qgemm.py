@@ -190,6 +190,16 @@ def test_four_bit_codes_out_of_range_are_refused():
 
 
 @needs_kernel
+
+def test_eight_bit_codes_of_another_dtype_are_a_clear_error_and_an_empty_four_bit_weight_packs():
+    one = torch.ones(16, 1, dtype=torch.float16)
+    with pytest.raises(ValueError, match="8-bit codes must be int8"):
+        pack(torch.full((16, 32), 200, dtype=torch.uint8), one, None, 8)  # would read back as -56
+    with pytest.raises(ValueError, match="8-bit codes must be int8"):
+        pack(torch.full((16, 32), 300, dtype=torch.int16), one, None, 8)
+    empty = pack(torch.zeros(0, 32, dtype=torch.uint8), torch.ones(0, 1, dtype=torch.float16), None, 4)
+    assert empty.n == 0  # as an empty 8-bit weight is (max() of no codes is not asked)
+
 def test_active_isa_follows_a_forced_set_the_cpu_has(monkeypatch):
     from minfer.cpu.qgemm import active_isa, best_isa
 

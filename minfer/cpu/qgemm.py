@@ -15,6 +15,10 @@ The weights are packed once at load (`pack`) into the layout the inner loop stre
 codes: columns in tiles of 16, each 32-block of a tile as the 64-byte loads want it (`pack_codes`), scales as
 `[N/16, groups, 16]` (`pack_scales`). `unpack_rows` reads chosen rows back (the tied embedding's rows).
 
+Range: the per-block sums are float32, so activations must stay far below float32's limit: with max|x| above
+~1e33 (int8, whose weight scale is applied once at the end) or ~1e36 (the other formats) a sum can overflow to
+inf or NaN. A model never gets there (RMSNorm squares its input, which overflows float32 from |x| ~ 1.8e19).
+
 Results are batch-invariant (a row's output does not depend on T, the tile it fell in or the thread count)
 and the three instruction-set paths give the same bits (they do the same float operations); the one
 approximation against a dequantize-then-matmul is the activations' rounding to 8 bits per block of 32
@@ -186,9 +190,12 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bi
         raise ValueError(f"zero must be {scale.dtype} {tuple(scale.shape)}, got {zero.dtype} {tuple(zero.shape)}")
     if bits == 8 and (offset or zero is not None):
         raise ValueError("8-bit codes are symmetric: no offset and no zero")
-    if bits == 4 and (codes.dtype != torch.uint8 or int(codes.max()) > 15):
-        raise ValueError(f"4-bit codes must be uint8 in 0..15, got {codes.dtype} with max {int(codes.max())}"
-                         " (a larger code would spill into its neighbour's nibble)")
+    if bits == 4 and (codes.dtype != torch.uint8 or (codes.numel() and int(codes.max()) > 15)):
+        raise ValueError(f"4-bit codes must be uint8 in 0..15, got {codes.dtype}"
+                         + (f" with max {int(codes.max())}" if codes.numel() else "")
+                         + " (a larger code would spill into its neighbour's nibble)")
+    if bits == 8 and codes.dtype != torch.int8:
+        raise ValueError(f"8-bit codes must be int8 (-128..127), got {codes.dtype} (another dtype would wrap)")
     return PackedWeight(pack_codes(codes, bits), pack_scales(scale.contiguous()),
                         pack_scales(zero.contiguous()) if zero is not None else None,
                         bits, offset, scale.dtype == torch.bfloat16, k // groups, n, k)
