@@ -89,12 +89,12 @@ inline float bf16_to_float(uint16_t h) {
   return f;
 }
 
-// The activations, quantized: q int8 [T, K], d float [T, K/32], s int32 [T, K/32], ds = d * float(s).
+// The activations, quantized: q int8 [T, K], d float [T, K/32], ds = d * float(s) and ncs = -c s int32 [T, K/32]
+// (s: the block's integer sum; -c s is where each block's integer sum with the weight codes starts).
 struct QuantizedRows {
   std::vector<int8_t> q;
   std::vector<float> d, ds;
-  std::vector<int32_t> s;
-  std::vector<int32_t> ncs;  // -c s: where each block's integer sum starts
+  std::vector<int32_t> ncs;
 };
 
 // A block the 8-bit grid cannot hold, the same rule on every path (so the paths keep giving the same bits):
@@ -178,21 +178,24 @@ __attribute__((target("avx2,fma,f16c"))) void quantize_block_avx2(const float* x
 }
 #endif
 
-void quantize_rows(const float* x, int64_t T, int64_t K, QuantizedRows& out, int num_threads, bool simd) {
+// offset: c of the weight codes (0, 8 or 128), for ncs
+void quantize_rows(const float* x, int64_t T, int64_t K, int offset, QuantizedRows& out, int num_threads,
+                   bool simd) {
   const int64_t G = K / kBlock;
   out.q.resize(T * K);
   out.d.resize(T * G);
-  out.s.resize(T * G);
   out.ds.resize(T * G);
+  out.ncs.resize(T * G);
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (T * K >= 65536)
   for (int64_t i = 0; i < T * G; ++i) {
+    int32_t* s = &out.ncs[i];  // the block's sum s, then -c s in place
 #ifdef MINFER_X86
-    if (simd) {
-      quantize_block_avx2(x + i * kBlock, out.q.data() + i * kBlock, &out.d[i], &out.s[i], &out.ds[i]);
-      continue;
-    }
+    if (simd)
+      quantize_block_avx2(x + i * kBlock, out.q.data() + i * kBlock, &out.d[i], s, &out.ds[i]);
+    else
 #endif
-    quantize_block(x + i * kBlock, out.q.data() + i * kBlock, &out.d[i], &out.s[i], &out.ds[i]);
+      quantize_block(x + i * kBlock, out.q.data() + i * kBlock, &out.d[i], s, &out.ds[i]);
+    *s *= -offset;
   }
 }
 
@@ -239,7 +242,7 @@ void tile_scalar(const Packed& w, int64_t p, const QuantizedRows& x, int64_t t0,
       for (int64_t g = 0; g < G; ++g) {
         const uint8_t* blk = w.qs + (p * G + g) * w.block_bytes;
         const int8_t* xq = x.q.data() + row * K + g * kBlock;
-        int32_t dot = -w.offset * x.s[row * G + g];
+        int32_t dot = x.ncs[row * G + g];
         if (w.bits == 4) {
           for (int i = 0; i < 4; ++i)
             for (int b = 0; b < 4; ++b) {
@@ -574,9 +577,7 @@ extern "C" int minfer_qgemm(float* out, const float* x, const uint8_t* qs, const
   if (isa <= 0 || isa > best) isa = best;
   if (num_threads < 1) num_threads = 1;
   QuantizedRows xq;
-  quantize_rows(x, T, K, xq, num_threads, isa >= 2);
-  xq.ncs.resize(xq.s.size());
-  for (size_t i = 0; i < xq.s.size(); ++i) xq.ncs[i] = -offset * xq.s[i];
+  quantize_rows(x, T, K, offset, xq, num_threads, isa >= 2);
   Packed w{qs, d, m, bits, offset, bf16, gs, K / kBlock, K / kBlock / gs, bits == 4 ? 256 : 512};
   const int64_t P = (N + 15) / 16;
   const int64_t chunks = (T + kChunk - 1) / kChunk;
