@@ -1,11 +1,13 @@
-"""The linears of one decode step, minfer's few-row float32 kernel ("panels") against oneDNN's (what torch runs),
+"""The linears of one engine step, minfer's float32 "panels" kernel against oneDNN's (what torch runs),
 on SmolLM2-135M's shapes with 30 distinct layers' weights, so that every weight streams from DRAM as in a real
 step (a single matrix repeated would sit in cache and flatter both).
 
     python benchmarks/gemm_f32_cpu.py [--rows 1 2 4 8 16 24 32] [--repeats 10] [--threads 2] [--json PATH]
 
 Prints per row count the milliseconds of a step's linears (q|k|v, o, gate|up, down for 30 layers, then the LM
-head) for each kernel and their ratio, measured alternately in the same run (chapter 9 §9.2.6).
+head) for each kernel and their ratio, measured alternately in the same run (chapter 9 §9.2.6). Past 16 rows
+the panels kernel is its AVX-512 many-row tile where the library has it (lab notes 9b §9b.17:
+`--rows 16 32 64 128 256 512`), else the few-row passes of 16 (6 on AVX2).
 """
 
 from __future__ import annotations

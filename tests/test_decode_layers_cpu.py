@@ -8,6 +8,7 @@ import torch
 
 from minfer.attention.base import ForwardContext
 from minfer.cpu import decode_step as dl
+from minfer.cpu import gemm_f32
 from minfer.cpu.qgemm import pack
 from minfer.generate import SimpleGenerator
 from minfer.model.loader import load_model
@@ -128,7 +129,10 @@ def test_falls_back_where_it_does_not_apply(tmp_path, monkeypatch):
         assert dl.DecodeLayersCpu.build(load_model(str(tmp_path), dtype="float32", device="cpu").model.model) is None
     monkeypatch.delenv("MINFER_LINEAR_LAYOUT")
     f32 = dl.DecodeLayersCpu.build(load_model(str(tmp_path), dtype="float32", device="cpu").model.model)
-    assert f32 is not None and f32.max_rows == 16  # the "hybrid" default: float32 panels for up to 16 rows
+    # the "hybrid" default: float32 panels for up to 16 rows, or 256 with the AVX-512 many-row tile
+    from minfer.cpu.gemm_f32 import max_rows
+
+    assert f32 is not None and f32.max_rows == max_rows() == (256 if gemm_f32.isa() == "avx512" else 16)
     quant = dict(quantization="int4", quantization_config={"group_size": 32})
     # fused ops off (the per-op path is torch's): no plan
     plain = load_model(str(tmp_path), dtype="float32", device="cpu", fused_ops=False, **quant).model
@@ -204,12 +208,13 @@ def test_paged_pool_bit_identical(tmp_path):
     assert counting.used == 4
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16, 17])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 129, 256, 257])
 @torch.inference_mode()
 def test_batched_float32_decode_bit_identical(tmp_path, rows):
     """A float32 model's batched decode step (the "hybrid" layout's panels, CpuPagedBackend): `rows` sequences
     of different lengths with scattered block tables, each storing its token at its own slot; the same bits as
-    the per-op path, pool included. 17 rows are more than the panels take: the per-op path (oneDNN) runs."""
+    the per-op path, pool included. Past `plan.max_rows` (16, or 256 with the AVX-512 many-row tile) the panels
+    take no more rows: the per-op path (oneDNN) runs."""
     from minfer.cpu.attention import CpuPagedBackend
 
     make_hf_model(tmp_path, "LlamaConfig", dict(SHAPES["d64-gqa2"], tie_word_embeddings=True))
@@ -237,4 +242,4 @@ def test_batched_float32_decode_bit_identical(tmp_path, rows):
         assert torch.equal(outs[0], outs[1]), f"hidden states differ at step {step}"
         for a, b in zip(backends[0].kv_caches, backends[1].kv_caches):
             assert torch.equal(a, b), f"pools differ after step {step}"
-    assert counting.used == (3 if rows <= 16 else 0)
+    assert counting.used == (3 if rows <= plan.max_rows else 0)

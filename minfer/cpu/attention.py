@@ -37,7 +37,7 @@ from minfer.cpu.build import F32, I32, I64, PTR, CppLibrary, KernelUnavailable
 logger = logging.getLogger(__name__)
 
 # -ffast-math lets gcc vectorize the exp loop (glibc's libmvec); the kernel never sees inf or NaN.
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
 MAX_HEADS = 256  # query heads the kernel's per-item stack buffer holds (kMaxHeadsPerItem)
 PREFILL_MAX_HEAD_DIM = 256  # kMaxD of prefill_cpu.cpp
 

@@ -1,5 +1,6 @@
 """A decode step of all the Llama layers in one C++ call (`csrc/decode_layers_cpu.cpp`; chapter 9 §9.2.4 and
-§9.2.6, chapter 5 §5.4): one token of a quantized model, or one token for each of up to 16 sequences of a float32
+§9.2.6, chapter 5 §5.4): one token of a quantized model, or one token for each of up to 16 (256 with the AVX-512
+many-row GEMM, lab notes 9b §9b.17) sequences of a float32
 model.
 
 At batch 1 on the CPU the per-op path spends more time in Python than in arithmetic: each of the 30 layers

@@ -1,5 +1,5 @@
-"""y = x W^T for a few rows of x in float32 on the CPU: the "panels" weight layout and its C++ kernel
-(`csrc/gemm_f32_cpu.cpp`; chapter 9 §9.2.6).
+"""y = x W^T in float32 on the CPU, built for a few rows of x: the "panels" weight layout and its C++ kernel
+(`csrc/gemm_f32_cpu.cpp`; chapter 9 §9.2.6; many rows: lab notes 9b §9b.17).
 
 A decode step multiplies every weight matrix by one row per running sequence. At 16 rows that product sits at
 this CPU's balance point: each weight float feeds 16 FMAs, so the cores compute about as fast as DRAM delivers
@@ -10,7 +10,9 @@ SmolLM2 it took ~42 ms for the linears, this kernel ~34 (`benchmarks/gemm_f32_cp
 The layout: `pack_weight(w [N, K]) -> [ceil(N/16), K, 16]`, panels of 16 output features, one 64-byte line per
 k, so each panel is one contiguous stream; the kernel keeps up to 16 rows' accumulators in registers and
 feeds each weight line to all of them (AVX-512: 16 rows a pass; AVX2: 6; a scalar loop where neither
-exists, chosen when the library is built for the machine, `-march=native`).
+exists, chosen when the library is built for the machine, `-march=native`). More than 16 rows on AVX-512: tiles
+of 8 rows x 3 panels (24 accumulators in registers; each weight line feeds 8 rows, each row value 3 panels),
+which beat oneDNN on this course's Xeon up to 256 rows (`max_rows`), so a 64-stream decode step stays here.
 
 Exactness: each output is one float32 fused-multiply-add chain over k in increasing order, so a row's result
 does not depend on the other rows, on how many there are or on the thread split (batch-invariant); it differs
@@ -44,6 +46,17 @@ gemm_f32_available = LIBRARY.available
 def isa() -> str:
     """The instruction set the library was built for here: "avx512", "avx2" or "scalar"."""
     return _library().minfer_gemm_f32_isa().decode()
+
+
+FEW_ROWS = 16  # rows per pass of the few-row kernel (kMaxRows)
+MANY_ROWS_AVX512 = 256  # up to here the many-row tile beat oneDNN on this course's Xeon (lab notes 9b §9b.17)
+
+
+def max_rows() -> int:
+    """The most rows per call that the "panels" layout takes on this machine (more go to oneDNN under "hybrid"):
+    `MANY_ROWS_AVX512` where the library has its AVX-512 many-row tile (8 rows x 48 features in registers), else
+    `FEW_ROWS` (AVX2 and scalar builds have the few-row kernel only). 16 where the library does not build."""
+    return MANY_ROWS_AVX512 if gemm_f32_available() and isa() == "avx512" else FEW_ROWS
 
 
 def pack_weight(w: torch.Tensor) -> torch.Tensor:

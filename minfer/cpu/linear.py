@@ -17,9 +17,11 @@
 - `"panels"` (float32): `[ceil(out/16), in, 16]`, run by minfer's own few-row kernel
   (`minfer.cpu.gemm_f32`): each 64-byte line of weights feeds the FMAs of up to 16 rows while the
   next lines are prefetched, so a decode step of 1-16 rows streams the weights once at close to the memory's
-  rate (faster than oneDNN's for 1 to 16 rows: lab notes 9b (chapters/lab/09b-cpu-performance.md) §9b.6).
+  rate (faster than oneDNN's for 1 to 16 rows: lab notes 9b (chapters/lab/09b-cpu-performance.md) §9b.6). Past
+  16 rows, where the library is built for AVX-512, a tile of 8 rows x 48 features in registers (§9b.17).
 - `"hybrid"` (the default for float32 and bfloat16 on a CPU with oneDNN): two copies, a few-row one ("panels"
-  for float32 where its kernel builds, else "split") for up to 16 rows (one for "split"), and "onednn" for
+  for float32 where its kernel builds, else "split") for up to `PanelLinearMethod.max_rows` rows (16, or 256
+  with the AVX-512 many-row tile; one for "split"), and "onednn" for
   more. It stores the weights twice (2 x 540 MB for SmolLM2 in float32), the price of the fastest product at
   every batch size; `envs.MINFER_LINEAR_LAYOUT`=split (or `panels`) keeps one copy (an override for benchmarks,
   read by `minfer.platform`).
@@ -38,6 +40,7 @@ import torch
 from torch import nn
 
 from minfer.cpu.gemm_f32 import gemm_f32_available, gemm_f32_unchecked, pack_weight, unpack_rows
+from minfer.cpu.gemm_f32 import max_rows as gemm_f32_max_rows
 from minfer.model.layers import UnquantizedLinearMethod
 
 if TYPE_CHECKING:
@@ -179,7 +182,12 @@ class PanelLinearMethod(UnquantizedLinearMethod):
     kernel of `minfer.cpu.gemm_f32` (for any number of rows, but built for up to `max_rows`)."""
 
     name = "panels"
-    max_rows = 16  # up to here it beats oneDNN's product in the engine (lab notes 9b (chapters/lab/09b-cpu-performance.md) §9b.6)
+
+    @property
+    def max_rows(self) -> int:
+        """Up to here it beats oneDNN's product in the engine (`minfer.cpu.gemm_f32.max_rows`: 16, or 128 with the
+        AVX-512 many-row tile; lab notes 9b (chapters/lab/09b-cpu-performance.md) §9b.6, §9b.17)."""
+        return gemm_f32_max_rows()
 
     def process_weights_after_loading(self, layer: "Linear") -> None:
         self.repack(layer)

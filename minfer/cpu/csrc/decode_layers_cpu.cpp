@@ -10,7 +10,8 @@
 // ~4-5 ms on two cores), but the per-op path pays ~60 Python-level calls per layer (module calls, tensor
 // allocations, views, ctypes argument conversion), ~1,800 per token, which took about twice as long as the
 // arithmetic. Here the 30 layers are one loop over a table of pointers built once. A float32 model's batched
-// decode step (up to 16 rows, its weights in the few-row GEMM's panels) pays the same ~1,800 calls per step.
+// decode step (up to 16 rows, or 256 with the AVX-512 many-row tile; its weights in the panels) pays the same
+// ~1,800 calls per step.
 //
 // Bit-identical to the per-op path BY CONSTRUCTION: this file does no arithmetic of its own. It calls the very
 // functions the per-op path calls, through function pointers the Python side takes from the libraries it

@@ -1,5 +1,6 @@
 // y = x W^T for a FEW rows of x (a decode step: one row per running sequence), float32, on the CPU
 // (chapter 9 §9.2.6). Weights are read once per call; each weight value loaded feeds up to MR rows' FMAs.
+// Many rows (a wide decode step, a prefill chunk) take the AVX-512 tiles of gemm_many_rows (lab notes 9b §9b.17).
 //
 // Why not oneDNN (what torch runs): at 16 rows a projection is close to the balance point of this machine
 // (16 FMAs per weight float: 2 cores x 16 lanes x ~3 GHz want ~24 GB/s of weights, about the DRAM's rate), and
@@ -109,6 +110,69 @@ constexpr PanelFn Table<I...>::fns[sizeof...(I)];
 // registers, so their number must be known when compiling).
 PanelFn panel_fn(int rows) { return Table<0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15>::fns[rows - 1]; }
 
+#if defined(__AVX512F__)
+// Many rows (more than kMaxRows): a tile of kTileRows rows x kTilePanels panels (48 output features) whose 24
+// accumulators stay in registers; per k, 3 weight lines and 8 row values (broadcast straight from the rows of x,
+// 8 streams through L1, so nothing is transposed) feed 24 FMAs, where the few-row pass above needs 17 loads for
+// 16. The tile's 3 panels (3 K lines of 64 B) stay in L2 while every row tile of the call passes over them.
+// Each output is still one FMA chain over k in increasing order, so a row gets the same bits here as in the
+// few-row pass (batch-invariant across M).
+constexpr int kTileRows = 8;
+constexpr int kTilePanels = 3;
+
+// Rows r0 .. r0 + rows - 1 of x (rows <= 8; a short tile repeats its last row in the spare accumulators, which
+// are not stored); panel: the first of NP (1..3) consecutive panels.
+template <int NP>
+void tile_rows(float* out, int64_t out_stride, const float* x, int64_t x_stride, const float* panel,
+               const float* bias, int64_t K, int64_t rows, int64_t cols) {
+  const float* xr[kTileRows];
+  for (int m = 0; m < kTileRows; ++m) xr[m] = x + (m < rows ? m : rows - 1) * x_stride;
+  __m512 acc[kTileRows][NP];
+  for (int m = 0; m < kTileRows; ++m)
+    for (int j = 0; j < NP; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 w[NP];
+    for (int j = 0; j < NP; ++j) w[j] = _mm512_loadu_ps(panel + (j * K + k) * kLanes);
+    for (int m = 0; m < kTileRows; ++m) {
+      const __m512 xv = _mm512_set1_ps(xr[m][k]);
+      for (int j = 0; j < NP; ++j) acc[m][j] = _mm512_fmadd_ps(xv, w[j], acc[m][j]);
+    }
+  }
+  for (int j = 0; j < NP; ++j) {
+    const int64_t c = cols - j * kLanes;
+    const __mmask16 mask = c >= kLanes ? (__mmask16)0xFFFF : (__mmask16)((1u << c) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + j * kLanes) : _mm512_setzero_ps();
+    for (int m = 0; m < rows; ++m)
+      _mm512_mask_storeu_ps(out + m * out_stride + j * kLanes, mask, _mm512_add_ps(acc[m][j], b));
+  }
+}
+
+void gemm_many_rows(float* out, const float* x, const float* packed, const float* bias, int64_t M, int64_t N,
+                    int64_t K, int64_t x_stride, int64_t out_stride, int num_threads) {
+  const int64_t panels = (N + kLanes - 1) / kLanes, groups = (panels + kTilePanels - 1) / kTilePanels;
+  const int64_t tiles = (M + kTileRows - 1) / kTileRows;
+#pragma omp parallel num_threads(num_threads)
+  {
+    const int nt = omp_get_num_threads(), th = omp_get_thread_num();
+    const int64_t g0 = groups * th / nt, g1 = groups * (th + 1) / nt;
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t p = g * kTilePanels, np = panels - p < kTilePanels ? panels - p : kTilePanels;
+      const int64_t n0 = p * kLanes, cols = N - n0;
+      const float* panel = packed + p * K * kLanes;
+      const float* b = bias ? bias + n0 : nullptr;
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t r0 = t * kTileRows, rows = M - r0 < kTileRows ? M - r0 : kTileRows;
+        float* o = out + r0 * out_stride + n0;
+        const float* xt = x + r0 * x_stride;
+        if (np == 3) tile_rows<3>(o, out_stride, xt, x_stride, panel, b, K, rows, cols);
+        else if (np == 2) tile_rows<2>(o, out_stride, xt, x_stride, panel, b, K, rows, cols);
+        else tile_rows<1>(o, out_stride, xt, x_stride, panel, b, K, rows, cols);
+      }
+    }
+  }
+}
+#endif
+
 }  // namespace
 
 extern "C" {
@@ -118,6 +182,12 @@ const char* minfer_gemm_f32_isa() { return MINFER_GEMM_ISA; }
 // Scratch for the transposed rows: K * M floats (the caller's buffer, so that a call allocates nothing).
 void minfer_gemm_f32(float* out, const float* x, const float* packed, const float* bias, int64_t M, int64_t N,
                      int64_t K, int64_t x_stride, int64_t out_stride, float* xt_scratch, int num_threads) {
+#if defined(__AVX512F__)
+  if (M > kMaxRows) {  // reads x in place (xt_scratch unused)
+    gemm_many_rows(out, x, packed, bias, M, N, K, x_stride, out_stride, num_threads);
+    return;
+  }
+#endif
   const int64_t panels = (N + kLanes - 1) / kLanes;
   // Transpose each pass's rows into [K][rows]: pass g occupies xt_scratch[g * kRowsPerPass * K ...].
   for (int64_t r0 = 0; r0 < M; r0 += kRowsPerPass) {

@@ -36,6 +36,30 @@ constexpr int64_t kMaxD = 256;
 // built with -ffast-math (which lets the compiler assume no infinities); exp of it underflows to exactly 0.
 constexpr float kNeg = -1e30f;
 
+#if defined(__AVX512F__)
+// e^x for 16 lanes of x <= 0 (a score minus the running max): x = n ln2 + r with |r| <= ln2 / 2, e^r by its
+// degree-6 Taylor polynomial (relative error ~2e-7, float32's own rounding), times 2^n (vscalefps). Below -87.3
+// (e^x under float32's smallest normal, and the masked keys' kNeg) it is exactly 0. Written out because the
+// softmax's exp was about half of this kernel's time through libm's vector expf.
+inline __m512 exp_nonpositive(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln 2 in two parts (Cody-Waite)
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
+}
+const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#endif
+
 // Query rows r0 .. r0 + R - 1 (R <= kBQ) of one head; row r sees keys [0, n[r]) (n ascending). kt: the KV head's
 // keys transposed, [D][ld] (ld >= keys rounded up to 16, zero padded); v: its values, rows of stride v_stride.
 void attend_rows(float* out, int64_t out_stride, const float* q, int64_t q_stride, const float* kt, int64_t ld,
@@ -83,6 +107,29 @@ void attend_rows(float* out, int64_t out_stride, const float* q, int64_t q_strid
     // Online softmax, row by row. Keys past a row's limit weigh exactly 0 and leave its max alone, and these
     // loops always run over the whole kBK (fixed-length vector loops, no scalar tail), so a row's bits do not
     // depend on how many keys the other rows of its block see.
+#if defined(__AVX512F__)
+    for (int64_t r = 0; r < kBQ; ++r) {
+      const __m512i lim = _mm512_set1_epi32((int)(lim_end[r] - j0));
+      __m512 s[kBK / 16];
+      __m512 vmax = _mm512_set1_ps(m[r]);
+      for (int64_t c = 0; c < kBK / 16; ++c) {
+        const __mmask16 seen = _mm512_cmplt_epi32_mask(_mm512_add_epi32(iota, _mm512_set1_epi32((int)(16 * c))), lim);
+        s[c] = _mm512_mask_mul_ps(_mm512_set1_ps(kNeg), seen, _mm512_load_ps(&S[r][16 * c]), _mm512_set1_ps(scale));
+        vmax = _mm512_max_ps(vmax, s[c]);
+      }
+      const float mb = _mm512_reduce_max_ps(vmax);
+      const float alpha = std::exp(m[r] - mb);  // 0 on the row's first block, 1 on a block it does not see
+      __m512 vsum = _mm512_setzero_ps();
+      for (int64_t c = 0; c < kBK / 16; ++c) {
+        const __m512 e = exp_nonpositive(_mm512_sub_ps(s[c], _mm512_set1_ps(mb)));
+        _mm512_store_ps(&S[r][16 * c], e);
+        vsum = _mm512_add_ps(vsum, e);
+      }
+      l[r] = l[r] * alpha + _mm512_reduce_add_ps(vsum);
+      m[r] = mb;
+      for (int64_t d = 0; d < D; ++d) o[r][d] *= alpha;
+    }
+#else
     for (int64_t r = 0; r < kBQ; ++r) {
       const int64_t lim = lim_end[r] - j0;  // keys of this block row r sees
       float mb = m[r];
@@ -100,6 +147,7 @@ void attend_rows(float* out, int64_t out_stride, const float* q, int64_t q_strid
       m[r] = mb;
       for (int64_t d = 0; d < D; ++d) o[r][d] *= alpha;
     }
+#endif
     // o_r += sum_c p_rc v_c
 #if defined(__AVX512F__)
     if (D % 32 == 0) {
