@@ -34,7 +34,6 @@ import statistics
 import sys
 import time
 
-
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 
 

@@ -189,8 +189,10 @@ CONFIGS_PER_DTYPE = {"int8": list(ENGINE_CONFIGS), "fp8": ["default", "preempt-s
 # default (256 tokens a step on a CPU), so the other int8 configs prefill some of the 8 prompts in chunks too
 # (those admitted when less than a whole prompt of the step's budget is left) and take the same rule: measured,
 # "torch-reference" flipped prompt 7 at token 12 on a Xeon, and prompt 1 at token 0 (a margin of 0.162 nats) on
-# a Zen 3, whose kernels round elsewhere; the measured error of that config is up to 0.62 nats on the Xeon.
-NEAR_TIE_FLIPS = {("int8", "chunked-prefix"): 1, ("int8", "torch-reference"): 1, ("int8", "preempt-swap"): 1}
+# a Zen 3, whose kernels round elsewhere; the measured error of that config is up to 0.62 nats on the Xeon. Since
+# the float32 projections of 17-256 rows run minfer's own GEMM on AVX-512 (lab notes 9b §9b.17), the Xeon flips
+# both of those prompts in this config, each at a near tie (SDPA's chunked prefill still rounds per chunk).
+NEAR_TIE_FLIPS = {("int8", "chunked-prefix"): 1, ("int8", "torch-reference"): 2, ("int8", "preempt-swap"): 1}
 
 
 @pytest.fixture(scope="module")

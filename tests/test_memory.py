@@ -4,6 +4,8 @@ No model is loaded: every config here is a tiny `ModelConfig` built by hand, so 
 a second.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -162,3 +164,39 @@ def test_weight_bytes_counts_tied_weights_once():
     assert memory.weight_bytes(model) == 10 * 4 * 4
     model.register_buffer("scale", torch.ones(3, dtype=torch.float16))
     assert memory.weight_bytes(model) == 10 * 4 * 4 + 3 * 2
+
+
+def _smaps_entry(addr: int) -> dict[str, str]:
+    """This process's /proc/self/smaps fields of the mapping holding `addr`."""
+    fields, inside = {}, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            if inside:
+                break
+            inside = lo <= addr < hi
+            if inside:
+                fields["flags"] = line.split()[1]
+        elif inside:
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+    return fields
+
+
+def _thp_available() -> bool:
+    path = "/sys/kernel/mm/transparent_hugepage/enabled"
+    return os.path.exists("/proc/self/smaps") and os.path.exists(path) and "[never]" not in open(path).read()
+
+
+@pytest.mark.skipif(not _thp_available(), reason="Linux with transparent huge pages")
+def test_a_cpu_pool_is_a_private_mapping_eligible_for_huge_pages():
+    """The CPU pool asks for transparent huge pages (lab notes 9b §9b.17): a private mapping (Python's mmap default is
+    shared, which THP skips in the kernel's default modes) with MADV_HUGEPAGE set, and still zeroed."""
+    from minfer.kv_cache import zeros
+
+    t = zeros((2, 64, 16, 4, 64), torch.float32, torch.device("cpu"))  # 2 MB per K/V half: 4 MB
+    assert t.abs().sum().item() == 0
+    entry = _smaps_entry(t.data_ptr())
+    assert entry["flags"][3] == "p", entry["flags"]  # rw-p: private
+    assert "hg" in entry.get("VmFlags", "").split(), entry.get("VmFlags")  # hg: MADV_HUGEPAGE

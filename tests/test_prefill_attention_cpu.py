@@ -75,3 +75,26 @@ def test_what_it_leaves_to_sdpa(monkeypatch):
     cpu.attend_prefill_cpu(_layer(2, 1, 16), q.bfloat16(), k.bfloat16(), v.bfloat16())  # bfloat16
     cpu.attend_prefill_cpu(_layer(2, 1, 16), q.transpose(1, 2).contiguous().transpose(1, 2), k, v)  # D strided
     assert len(calls) == 4
+
+
+def test_a_nan_reaches_exactly_the_rows_that_see_it():
+    """A NaN in a query spoils its own row; a NaN in key j every row that sees j (rows >= j, causal), and no
+    other: the softmax's exp keeps NaN (an overflow upstream must not come out as a finite answer), and masked
+    keys still weigh exactly 0."""
+    torch.manual_seed(3)
+    t, h, kvh, d = 20, 4, 2, 64
+    layer = _layer(h, kvh, d)
+    q, k, v = torch.randn(t, h, d), torch.randn(t, kvh, d), torch.randn(t, kvh, d)
+    qn = q.clone()
+    qn[5, 1, 3] = float("nan")
+    bad = ~torch.isfinite(cpu.attend_prefill_cpu(layer, qn, k, v)).all(dim=-1)  # [t, h]
+    want = torch.zeros(t, h, dtype=torch.bool)
+    want[5, 1] = True
+    assert torch.equal(bad, want)
+    for j in (0, 5, 19):
+        kn = k.clone()
+        kn[j, 0, 7] = float("nan")  # K/V head 0: query heads 0 and 1
+        bad = ~torch.isfinite(cpu.attend_prefill_cpu(layer, q, kn, v)).all(dim=-1)
+        want = torch.zeros(t, h, dtype=torch.bool)
+        want[j:, :2] = True
+        assert torch.equal(bad, want), j

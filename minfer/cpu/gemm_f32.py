@@ -22,6 +22,7 @@ from oneDNN's and MKL's sums (other orders) by float32 rounding.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -50,6 +51,12 @@ def isa() -> str:
 
 FEW_ROWS = 16  # rows per pass of the few-row kernel (kMaxRows)
 MANY_ROWS_AVX512 = 256  # up to here the many-row tile beat oneDNN on this course's Xeon (lab notes 9b §9b.17)
+
+
+@functools.cache
+def _many_row_tiles() -> bool:
+    """True where the library takes more than FEW_ROWS rows in its AVX-512 tiles (no transposed copy then)."""
+    return isa() == "avx512"
 
 
 def max_rows() -> int:
@@ -110,7 +117,8 @@ def gemm_f32_unchecked(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torc
         x2 = x2.contiguous()
     m = x2.shape[0]
     out = torch.empty(m, n, dtype=torch.float32)
-    scratch = torch.empty(m * k, dtype=torch.float32)
+    # the few-row passes' transposed rows; the many-row tiles read x in place
+    scratch = torch.empty(m * k if m <= FEW_ROWS or not _many_row_tiles() else 0, dtype=torch.float32)
     _library().minfer_gemm_f32(out.data_ptr(), x2.data_ptr(), packed.data_ptr(),
                                bias.data_ptr() if bias is not None else None, m, n, k, x2.stride(0), n,
                                scratch.data_ptr(), torch.get_num_threads())

@@ -185,7 +185,7 @@ class PanelLinearMethod(UnquantizedLinearMethod):
 
     @property
     def max_rows(self) -> int:
-        """Up to here it beats oneDNN's product in the engine (`minfer.cpu.gemm_f32.max_rows`: 16, or 128 with the
+        """Up to here it beats oneDNN's product in the engine (`minfer.cpu.gemm_f32.max_rows`: 16, or 256 with the
         AVX-512 many-row tile; lab notes 9b (chapters/lab/09b-cpu-performance.md) §9b.6, §9b.17)."""
         return gemm_f32_max_rows()
 

@@ -39,11 +39,13 @@ constexpr float kNeg = -1e30f;
 #if defined(__AVX512F__)
 // e^x for 16 lanes of x <= 0 (a score minus the running max): x = n ln2 + r with |r| <= ln2 / 2, e^r by its
 // degree-6 Taylor polynomial (relative error ~2e-7, float32's own rounding), times 2^n (vscalefps). Below -87.3
-// (e^x under float32's smallest normal, and the masked keys' kNeg) it is exactly 0. Written out because the
+// (e^x under float32's smallest normal, and the masked keys' kNeg) it is exactly 0. A NaN stays NaN (an
+// overflowed activation must reach the output, as through libm's expf and the decode kernel): the compare is
+// unordered-true and vmaxps returns its second operand, x, when either is NaN. Written out because the
 // softmax's exp was about half of this kernel's time through libm's vector expf.
 inline __m512 exp_nonpositive(__m512 x) {
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_NLT_UQ);
+  x = _mm512_max_ps(_mm512_set1_ps(-87.3f), x);
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln 2 in two parts (Cody-Waite)
