@@ -114,7 +114,8 @@ PanelFn panel_fn(int rows) { return Table<0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 
 // Many rows (more than kMaxRows): a tile of kTileRows rows x kTilePanels panels (48 output features) whose 24
 // accumulators stay in registers; per k, 3 weight lines and 8 row values (broadcast straight from the rows of x,
 // 8 streams through L1, so nothing is transposed) feed 24 FMAs, where the few-row pass above needs 17 loads for
-// 16. The tile's 3 panels (3 K lines of 64 B) stay in L2 while every row tile of the call passes over them.
+// 16. The tile's 3 panels (3 x K lines of 64 B: 110 KB at K = 576) stay in L2 while every row tile of the call
+// passes over them.
 // Each output is still one FMA chain over k in increasing order, so a row gets the same bits here as in the
 // few-row pass (batch-invariant across M).
 constexpr int kTileRows = 8;
@@ -163,10 +164,10 @@ void gemm_many_rows(float* out, const float* x, const float* packed, const float
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t r0 = t * kTileRows, rows = M - r0 < kTileRows ? M - r0 : kTileRows;
         float* o = out + r0 * out_stride + n0;
-        const float* xt = x + r0 * x_stride;
-        if (np == 3) tile_rows<3>(o, out_stride, xt, x_stride, panel, b, K, rows, cols);
-        else if (np == 2) tile_rows<2>(o, out_stride, xt, x_stride, panel, b, K, rows, cols);
-        else tile_rows<1>(o, out_stride, xt, x_stride, panel, b, K, rows, cols);
+        const float* xs = x + r0 * x_stride;  // the tile's first row
+        if (np == 3) tile_rows<3>(o, out_stride, xs, x_stride, panel, b, K, rows, cols);
+        else if (np == 2) tile_rows<2>(o, out_stride, xs, x_stride, panel, b, K, rows, cols);
+        else tile_rows<1>(o, out_stride, xs, x_stride, panel, b, K, rows, cols);
       }
     }
   }
@@ -179,7 +180,8 @@ extern "C" {
 
 const char* minfer_gemm_f32_isa() { return MINFER_GEMM_ISA; }
 
-// Scratch for the transposed rows: K * M floats (the caller's buffer, so that a call allocates nothing).
+// Scratch for the transposed rows: K * M floats (the caller's buffer, so that a call allocates nothing); unused,
+// and may be null, where an AVX-512 build takes more than kMaxRows rows in its tiles.
 void minfer_gemm_f32(float* out, const float* x, const float* packed, const float* bias, int64_t M, int64_t N,
                      int64_t K, int64_t x_stride, int64_t out_stride, float* xt_scratch, int num_threads) {
 #if defined(__AVX512F__)
