@@ -36,7 +36,9 @@ from minfer.cpu.build import F32, I32, I64, PTR, CppLibrary, KernelUnavailable
 
 logger = logging.getLogger(__name__)
 
-# -ffast-math lets gcc vectorize the exp loop (glibc's libmvec); the kernel never sees inf or NaN.
+# -ffast-math lets gcc vectorize the exp loops (glibc's libmvec; 16 lanes where AVX-512 exists, with
+# -mprefer-vector-width=512, instead of gcc's default 8). A NaN in q or k still reaches the rows that see it
+# (tests/test_prefill_attention_cpu.py).
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
 MAX_HEADS = 256  # query heads the kernel's per-item stack buffer holds (kMaxHeadsPerItem)
 PREFILL_MAX_HEAD_DIM = 256  # kMaxD of prefill_cpu.cpp

@@ -54,15 +54,11 @@ MANY_ROWS_AVX512 = 256  # up to here the many-row tile beat oneDNN on this cours
 
 
 @functools.cache
-def _many_row_tiles() -> bool:
-    """True where the library takes more than FEW_ROWS rows in its AVX-512 tiles (no transposed copy then)."""
-    return isa() == "avx512"
-
-
 def max_rows() -> int:
     """The most rows per call that the "panels" layout takes on this machine (more go to oneDNN under "hybrid"):
     `MANY_ROWS_AVX512` where the library has its AVX-512 many-row tile (8 rows x 48 features in registers), else
-    `FEW_ROWS` (AVX2 and scalar builds have the few-row kernel only). 16 where the library does not build."""
+    `FEW_ROWS` (AVX2 and scalar builds have the few-row kernel only). 16 where the library does not build.
+    Decided once per process: the hybrid layout asks on every projection call."""
     return MANY_ROWS_AVX512 if gemm_f32_available() and isa() == "avx512" else FEW_ROWS
 
 
@@ -117,8 +113,8 @@ def gemm_f32_unchecked(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torc
         x2 = x2.contiguous()
     m = x2.shape[0]
     out = torch.empty(m, n, dtype=torch.float32)
-    # the few-row passes' transposed rows; the many-row tiles read x in place
-    scratch = torch.empty(m * k if m <= FEW_ROWS or not _many_row_tiles() else 0, dtype=torch.float32)
+    # the few-row passes' transposed rows; the many-row tiles (more than FEW_ROWS rows, AVX-512) read x in place
+    scratch = torch.empty(0 if m > FEW_ROWS and max_rows() > FEW_ROWS else m * k, dtype=torch.float32)
     _library().minfer_gemm_f32(out.data_ptr(), x2.data_ptr(), packed.data_ptr(),
                                bias.data_ptr() if bias is not None else None, m, n, k, x2.stride(0), n,
                                scratch.data_ptr(), torch.get_num_threads())
